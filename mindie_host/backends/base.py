@@ -1,0 +1,106 @@
+"""The model-backend contract: what the engine asks of a ``backendType``.
+
+The interface is deliberately narrow (plain lists in, one logits tensor out) so a
+runner can live in another process or on another device. The engine owns
+scheduling, block accounting and sampling; a backend owns the weights, the KV
+tensors and the forward pass.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelInfo:
+    """Shape facts about a loaded model that the engine needs."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInput:
+    """One forward step over a batch of sequences, flattened.
+
+    Sequence ``i`` contributes ``query_lens[i]`` new tokens (``input_ids`` and
+    ``positions`` are the concatenation over sequences) and has
+    ``context_lens[i]`` tokens of KV once this step has written its new tokens.
+    ``block_tables[i]`` maps its token positions to cache blocks
+    (slot = block_tables[i][pos // block_size] * block_size + pos % block_size).
+    ``logits_indices`` are the flat token indices whose logits are returned, in
+    order. ``adapter_indices[i]`` is the LoRA slot of sequence ``i`` (-1 = base).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]
+    adapter_indices: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+class ModelBackend(abc.ABC):
+    """A loaded model that can run forward steps over a paged KV cache.
+
+    Lifecycle: the host constructs it (through ``mindie_host_model_backend``),
+    calls :meth:`load`, asks :meth:`kv_cache_bytes_per_block` to size the cache
+    against the memory budget, calls :meth:`allocate_kv_cache`, then calls
+    :meth:`execute` once per engine step from a single worker thread.
+    """
+
+    #: Name of the ``backendType`` this backend serves.
+    backend_type: str = ""
+
+    @abc.abstractmethod
+    def load(self) -> ModelInfo:
+        """Read the weights and return the model's shape facts."""
+
+    @abc.abstractmethod
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one cache block of ``block_size`` tokens takes over all layers (K and V)."""
+
+    @abc.abstractmethod
+    def available_kv_memory(self, requested_gb: int) -> int:
+        """Bytes to give the KV cache. ``requested_gb`` is the config's budget for the
+        device (``npuMemSize`` on accelerators, ``cpuMemSize`` on the CPU); -1 means
+        size it automatically from free device memory."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Create the KV tensors for ``num_blocks`` blocks."""
+
+    @abc.abstractmethod
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """Run one forward step, write the new tokens' KV, and return float32 logits
+        of shape ``[len(batch.logits_indices), vocab_size]`` on the CPU or device."""
+
+    def warmup(self) -> None:  # noqa: B027 - optional hook
+        """Run a throwaway step so the first request is not slow."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Free device memory."""

@@ -1,0 +1,130 @@
+"""The built-in ``torch`` backend: loads a Llama-family model and runs it on a :class:`Platform`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch
+from ..base import ModelBackend, ModelInfo, ModelInput
+from ..platform import Platform, select_platform
+from .model import TorchLlama
+
+log = logging.getLogger("mindie_host.backends.torch")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    """Map a config ``dtype`` (auto, float32, bfloat16, float16) to a torch dtype."""
+    if name in ("auto", "", None):
+        return platform.default_dtype()
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; allowed: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class TorchBackend(ModelBackend):
+    """Llama-family models in plain torch over a paged KV cache, on CPU or CUDA."""
+
+    backend_type = "torch"
+
+    def __init__(
+        self,
+        source: ModelSource,
+        *,
+        name: str,
+        dtype: str = "auto",
+        platform: Platform | None = None,
+        progress: Any = None,
+    ) -> None:
+        self.source = source
+        self.name = name
+        self.platform = platform or select_platform("auto")
+        self.dtype = resolve_dtype(dtype, self.platform)
+        self.kv_dtype = self.dtype
+        self.progress = progress
+        self.arch: LlamaArch | None = None
+        self.model: TorchLlama | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.lora: Any = None
+
+    # -- loading -----------------------------------------------------------------------
+    def load(self) -> ModelInfo:
+        arch = load_arch(self.source)
+        self.arch = arch
+        weights: dict[str, torch.Tensor] = {}
+        total = count_tensors(self.source)
+        for i, (name, array) in enumerate(iter_weights(self.source, arch), start=1):
+            weights[name] = torch.from_numpy(array)
+            if self.progress is not None:
+                self.progress(i, total, name)
+        self.model = TorchLlama(arch, weights, self.platform, self.dtype)
+        log.info(
+            "loaded %s: %d layers, hidden %d, %s on %s",
+            self.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."), self.platform.name,
+        )
+        return ModelInfo(
+            name=self.name,
+            architecture="LlamaForCausalLM",
+            vocab_size=arch.vocab_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            max_position_embeddings=arch.max_position_embeddings,
+            eos_token_ids=list(arch.eos_token_ids),
+            bos_token_id=arch.bos_token_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.platform.name,
+            model_type=arch.model_type,
+            extra={"hidden_size": arch.hidden_size, "num_heads": arch.num_heads,
+                   "intermediate_size": arch.intermediate_size},
+        )
+
+    # -- KV cache --------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        assert self.arch is not None
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        return 2 * self.arch.num_layers * block_size * self.arch.num_kv_heads * self.arch.head_dim * elem
+
+    def available_kv_memory(self, requested_gb: int) -> int:
+        if requested_gb > 0:
+            return requested_gb * (1 << 30)
+        free, total = self.platform.memory_info()
+        return int(free * 0.8)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        assert self.arch is not None
+        shape = (num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        device = self.platform.device()
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
+            for _ in range(self.arch.num_layers)
+        ]
+        self.block_size = block_size
+
+    # -- forward -----------------------------------------------------------------------------
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        assert self.model is not None
+        meta = self.model.build_metadata(batch, self.block_size)
+        lora = self.lora if self.lora is not None and any(i >= 0 for i in batch.adapter_indices) else None
+        if lora is not None:
+            lora.prepare(batch)
+        return self.model.forward(batch, meta, self.kv_caches, lora)
+
+    def warmup(self) -> None:
+        if not self.kv_caches:
+            return
+        batch = ModelInput(
+            input_ids=[0, 1], positions=[0, 1], query_lens=[2], context_lens=[2],
+            block_tables=[[0]], logits_indices=[1], adapter_indices=[-1],
+        )
+        self.execute(batch)
+        self.platform.synchronize()
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.model = None

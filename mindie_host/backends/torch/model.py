@@ -1,0 +1,197 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain torch.
+
+Weights are held as flat tensors (Q/K/V and gate/up fused into one matmul each),
+and the forward pass works on the flattened tokens of a whole batch, so a step
+costs a fixed number of operator calls per layer whatever the batch holds.
+Operators that a platform may fuse go through :class:`~mindie_host.backends.platform.Platform`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...models.weights import LlamaArch
+from ..base import ModelInput
+from ..platform import AttentionMetadata, Platform
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama-3 style frequency scaling when configured."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(is_mid, mid, scaled)
+    elif scaling.get("rope_type", scaling.get("type")) == "linear":
+        inv = inv / float(scaling["factor"])
+    return inv.float()
+
+
+class TorchLlama:
+    """The forward pass. Construct with HF-named float tensors; call :meth:`forward` per step."""
+
+    def __init__(
+        self,
+        arch: LlamaArch,
+        weights: dict[str, torch.Tensor],
+        platform: Platform,
+        dtype: torch.dtype,
+    ) -> None:
+        self.arch = arch
+        self.platform = platform
+        self.dtype = dtype
+        self.device = platform.device()
+        self.scale = 1.0 / math.sqrt(arch.head_dim)
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else take(
+            "lm_head.weight"
+        )
+        self.layers: list[LayerWeights] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+            bias = None
+            if p + "self_attn.q_proj.bias" in weights:
+                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0)
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=qkv.contiguous(),
+                    qkv_bias=bias,
+                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        max_pos = arch.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(arch))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(self.device, dtype)
+        self.sin = emb.sin().to(self.device, dtype)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    # -- per-step metadata ---------------------------------------------------------------
+    def build_metadata(self, batch: ModelInput, block_size: int) -> AttentionMetadata:
+        """Slot mapping, gather indices and causal mask for one step (shared by all layers)."""
+        device = self.device
+        num_seqs = batch.num_seqs
+        max_q = max(batch.query_lens)
+        max_ctx = max(batch.context_lens)
+        slots: list[int] = []
+        gather = torch.zeros(num_seqs, max_ctx, dtype=torch.long)
+        offsets = torch.arange(max_ctx)
+        for i, (q_len, ctx, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
+            tbl = torch.tensor(table, dtype=torch.long)
+            seq_slots = tbl[offsets[:ctx] // block_size] * block_size + offsets[:ctx] % block_size
+            gather[i, :ctx] = seq_slots
+            slots.extend(seq_slots[ctx - q_len : ctx].tolist())
+        q_lens = torch.tensor(batch.query_lens)
+        ctx_lens = torch.tensor(batch.context_lens)
+        if max_q == 1:
+            mask = (offsets.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(num_seqs, 1, 1, max_ctx)
+            pad_index = None
+        else:
+            qi = torch.arange(max_q)
+            # absolute position of query row r of sequence i: ctx_i - q_i + r
+            qpos = (ctx_lens - q_lens).unsqueeze(1) + qi.unsqueeze(0)  # [B, max_q]
+            mask = offsets.view(1, 1, max_ctx) <= qpos.unsqueeze(2)
+            valid_row = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+            mask = mask & valid_row.unsqueeze(2)
+            mask[..., 0] |= ~valid_row  # padded rows attend to slot 0 so softmax stays finite
+            mask = mask.unsqueeze(1)
+            pad_index = (torch.arange(num_seqs).repeat_interleave(q_lens) * max_q) + torch.cat(
+                [torch.arange(int(q)) for q in batch.query_lens]
+            )
+            if bool((q_lens == max_q).all()):
+                pad_index = None
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            gather_index=gather.to(device),
+            attn_mask=mask.to(device),
+            pad_index=None if pad_index is None else pad_index.to(device),
+            num_seqs=num_seqs,
+            max_query_len=max_q,
+            max_context_len=max_ctx,
+            query_lens=batch.query_lens,
+            context_lens=batch.context_lens,
+        )
+
+    # -- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ModelInput,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: object | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder over the flattened new tokens; return float32 logits at ``logits_indices``."""
+        arch, plat = self.arch, self.platform
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        cos = self.cos[pos].unsqueeze(1)
+        sin = self.sin[pos].unsqueeze(1)
+        x = F.embedding(ids, self.embed)
+        n = ids.shape[0]
+        for li, layer in enumerate(self.layers):
+            h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            if lora is not None:
+                qkv = lora.apply_qkv(li, h, qkv)  # type: ignore[attr-defined]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, arch.num_heads, arch.head_dim)
+            k = k.view(n, arch.num_kv_heads, arch.head_dim)
+            v = v.view(n, arch.num_kv_heads, arch.head_dim)
+            q, k = plat.rotary(q, k, cos, sin)
+            k_cache, v_cache = kv_caches[li]
+            plat.write_kv(k_cache, v_cache, k, v, meta)
+            attn = plat.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(n, self.q_size)
+            o = F.linear(attn, layer.o_proj)
+            if lora is not None:
+                o = lora.apply_o(li, attn, o)  # type: ignore[attr-defined]
+            x = x + o
+            h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
+            gu = F.linear(h, layer.gate_up)
+            if lora is not None:
+                gu = lora.apply_gate_up(li, h, gu)  # type: ignore[attr-defined]
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            d = F.linear(act, layer.down)
+            if lora is not None:
+                d = lora.apply_down(li, act, d)  # type: ignore[attr-defined]
+            x = x + d
+        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        x = plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,186 @@
+"""asyncio facade over :class:`LLMEngine`: submit, stream, cancel.
+
+The engine steps on a dedicated worker thread, so HTTP handling on the event loop
+never stalls decoding (torch releases the GIL inside its kernels). Requests and
+aborts cross into the worker through a lock-protected inbox; outputs come back
+with one ``call_soon_threadsafe`` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .core import LLMEngine
+from .request import EngineRequest, RequestError, RequestOutput
+
+log = logging.getLogger("mindie_host.engine")
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` on a worker thread and streams outputs to coroutines."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[str, Any]] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
+        self.dead: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mindie-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything and stop the worker."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._queues)
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit ``request`` and yield its outputs until it finishes.
+
+        Leaving the iterator early (a client disconnect cancels the task) aborts
+        the request and frees its KV blocks.
+        """
+        if self.dead:
+            raise RequestError(f"engine is not running: {self.dead}", status=503)
+        if self._stopping:
+            raise RequestError("The service has been stopped.", status=503)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = request.request_id
+        if rid in self._queues:
+            raise RequestError(f"request id {rid!r} is already in use", status=422, field="id")
+        self._queues[rid] = (loop, queue)
+        self._post(("add", request))
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._post(("abort", rid))
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a running request; returns False if it is unknown."""
+        if request_id not in self._queues:
+            return False
+        self._post(("abort", request_id))
+        return True
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` on the worker thread between steps (for plugins and management)."""
+        self._post(("call", fn))
+
+    def _post(self, item: tuple[str, Any]) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        self._wake.set()
+
+    # -- worker ----------------------------------------------------------------------------------
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        outputs: list[RequestOutput] = []
+        for kind, payload in items:
+            if kind == "add":
+                try:
+                    self.engine.add_request(payload)
+                except Exception as exc:
+                    outputs.append(_failed(payload, str(exc)))
+            elif kind == "abort":
+                out = self.engine.abort(payload)
+                if out is not None:
+                    outputs.append(out)
+            elif kind == "call":
+                try:
+                    payload(self.engine)
+                except Exception:
+                    log.exception("engine call failed")
+        return outputs
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                outputs = self._drain_inbox()
+                if engine.has_work():
+                    outputs.extend(engine.step())
+                elif not outputs:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                if outputs:
+                    self._dispatch(outputs)
+        except Exception as exc:  # pragma: no cover - a bug in the engine itself
+            log.exception("engine loop died")
+            self.dead = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self.dead)
+        finally:
+            if self._stopping:
+                self._fail_all("The service has been stopped.")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for hook in self.step_hooks:
+            try:
+                hook(outputs)
+            except Exception:
+                log.exception("step hook failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        for out in outputs:
+            target = self._queues.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # loop closed
+                pass
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._queues):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+        outs = [
+            RequestOutput(rid, [], "", "", [], 0, finished=True, finish_reason="error", error=message)
+            for rid in list(self._queues)
+        ]
+        self._dispatch(outs)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+def _failed(request: EngineRequest, message: str) -> RequestOutput:
+    return RequestOutput(
+        request.request_id, [], "", "", [], len(request.prompt_token_ids),
+        finished=True, finish_reason="error", error=message,
+    )

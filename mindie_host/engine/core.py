@@ -1,0 +1,414 @@
+"""The step loop: schedule -> backend.execute -> sample -> emit.
+
+:class:`LLMEngine` is synchronous and single-threaded; :mod:`.async_engine` runs
+it on a worker thread. Scheduling decisions come from the policy hooks, block
+accounting from the KV-cache manager hook, the forward pass from the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..backends.base import ModelBackend, ModelInfo, ModelInput
+from .detokenizer import Detokenizer
+from .kv_cache import KVCacheManager
+from .policy import SchedulerLimits, SchedulerState, StepPlan
+from .request import EngineRequest, RequestOutput, TokenLogprob
+from .sampling import Sampler, make_generator
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("mindie_host.engine")
+
+
+@dataclass
+class EngineLimits:
+    """Per-request length limits (from ``ModelDeployConfig`` / ``ScheduleConfig``)."""
+
+    max_seq_len: int
+    max_iter_times: int
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache."""
+
+    def __init__(
+        self,
+        backend: ModelBackend,
+        model_info: ModelInfo,
+        tokenizer: Any,
+        kv: KVCacheManager,
+        scheduler_limits: SchedulerLimits,
+        limits: EngineLimits,
+        hook: Any,
+        config: Any,
+    ) -> None:
+        self.backend = backend
+        self.info = model_info
+        self.detok = Detokenizer(tokenizer)
+        self.kv = kv
+        self.scheduler_limits = scheduler_limits
+        self.limits = limits
+        self.hook = hook
+        self.config = config
+        self.sampler = Sampler()
+        self.eos_ids = set(model_info.eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.by_request: dict[str, Sequence] = {}
+        self.plan_memo: dict[str, Any] = {}
+        self._next_seq_id = 0
+        self._matched: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self.last_step_time = 0.0
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> Sequence:
+        """Queue a tokenized request. Lengths must already be validated by the caller."""
+        if request.request_id in self.by_request:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        room = self.limits.max_seq_len - len(request.prompt_token_ids)
+        max_new = min(self.limits.max_iter_times, request.sampling.max_tokens or self.limits.max_iter_times, room)
+        seq = Sequence(self._next_seq_id, request, max(1, max_new))
+        self._next_seq_id += 1
+        params = request.sampling
+        seq.detok_state = self.detok.start(seq.prompt_len)
+        if not params.greedy:
+            if params.seed is None:
+                params.seed = random.getrandbits(63)
+            seq.generator = make_generator(params.seed)
+        self.waiting.append(seq)
+        self.by_request[request.request_id] = seq
+        self.counters["requests_received"] += 1
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, if it was live."""
+        seq = self.by_request.get(request_id)
+        if seq is None:
+            return None
+        seq.aborted = True
+        self._finish(seq, reason)
+        return self._make_output(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + forward + sampling round; return outputs for every touched request."""
+        now = time.monotonic()
+        outputs = self._expire(now)
+        plan = self._schedule(now)
+        if not plan:
+            return outputs
+        batch, samplers = self._build_input(plan)
+        t0 = time.perf_counter()
+        try:
+            logits = self.backend.execute(batch)
+        except Exception as exc:  # one batch fails, the server goes on
+            log.exception("backend failed on a batch of %d sequences", len(plan.scheduled))
+            for seq, _ in plan.scheduled:
+                seq.error = f"backend error: {type(exc).__name__}: {exc}"
+                self._finish(seq, "error")
+                outputs.append(self._make_output(seq))
+            self.counters["batch_errors"] += 1
+            return outputs
+        self.last_step_time = time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["batched_tokens"] += len(batch.input_ids)
+        outputs.extend(self._process(plan, logits, samplers))
+        return outputs
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def _expire(self, now: float) -> list[RequestOutput]:
+        out = []
+        for seq in [*self.running, *self.waiting]:
+            timeout = seq.request.timeout
+            if timeout is not None and now - seq.arrival_time > timeout:
+                seq.error = f"request timed out after {timeout:g} s"
+                self._finish(seq, "timeout")
+                out.append(self._make_output(seq))
+        return out
+
+    def _schedule(self, now: float) -> StepPlan:
+        if len(self.waiting) > 1:
+            ordered = self.hook.mindie_host_order_waiting(waiting=list(self.waiting), config=self.config, now=now)
+            if ordered is not None:
+                self.waiting = list(ordered)
+        for seq in self.waiting[: self.scheduler_limits.max_batch_size]:
+            if seq.seq_id not in self._matched:
+                self._matched.add(seq.seq_id)
+                seq.num_computed = self.kv.match_prefix(seq)
+                seq.num_cached_tokens = seq.num_computed
+        state = SchedulerState(
+            running=list(self.running),
+            waiting=list(self.waiting),
+            kv=self.kv,
+            limits=self.scheduler_limits,
+            config=self.config,
+            now=now,
+            memo=self.plan_memo,
+        )
+        plan = self.hook.mindie_host_plan_step(state=state) or StepPlan()
+        return self._apply_plan(plan, now)
+
+    def _apply_plan(self, plan: StepPlan, now: float) -> StepPlan:
+        """Allocate blocks in plan order, preempting running sequences if the pool runs dry."""
+        done: list[tuple[Sequence, int]] = []
+        in_step: set[int] = set()
+        preempted: set[int] = set()
+        for view, n in plan.scheduled:
+            seq = self.by_request.get(view.request_id)
+            if seq is None or seq.status == SequenceStatus.FINISHED or seq.seq_id in preempted or n <= 0:
+                continue
+            n = min(n, seq.num_uncomputed)
+            while not self.kv.can_allocate(seq, n):
+                victim = self._pick_victim(exclude=in_step | {seq.seq_id})
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.add(victim.seq_id)
+            if not self.kv.can_allocate(seq, n):
+                if seq.status == SequenceStatus.RUNNING:
+                    self._preempt(seq)
+                    preempted.add(seq.seq_id)
+                continue
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SequenceStatus.RUNNING
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
+            self.kv.allocate(seq, n)
+            done.append((seq, n))
+            in_step.add(seq.seq_id)
+        return StepPlan(done)  # type: ignore[arg-type]
+
+    def _pick_victim(self, exclude: set[int]) -> Sequence | None:
+        candidates = [s for s in self.running if s.seq_id not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda s: (s.priority, s.arrival_time))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits and is recomputed later (no request is dropped)."""
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self._matched.discard(seq.seq_id)
+        self.waiting.insert(0, seq)
+        self.counters["preemptions"] += 1
+        log.info("preempted request %s (recompute later)", seq.request_id)
+
+    # -- forward input ------------------------------------------------------------------------
+    def _build_input(self, plan: StepPlan) -> tuple[ModelInput, list[tuple[Sequence, int, int]]]:
+        """Flatten the plan; returns the input and (seq, first logits row, rows) for sampling."""
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_idx: list[int] = []
+        adapters: list[int] = []
+        samplers: list[tuple[Sequence, int, int]] = []
+        for seq, n in plan.scheduled:  # type: ignore[assignment]
+            start = seq.num_computed
+            flat0 = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(self.kv.block_table(seq))
+            adapters.append(seq.adapter_index)
+            want_prompt = seq.request.sampling.prompt_logprobs is not None and start < seq.prompt_len
+            completes = start + n == seq.num_tokens
+            if want_prompt:
+                rows = list(range(flat0, flat0 + n))
+            elif completes:
+                rows = [flat0 + n - 1]
+            else:
+                rows = []
+            if rows:
+                samplers.append((seq, len(logits_idx), len(rows)))
+                logits_idx.extend(rows)
+        return (
+            ModelInput(
+                input_ids=ids, positions=positions, query_lens=q_lens, context_lens=ctx_lens,
+                block_tables=tables, logits_indices=logits_idx or [len(ids) - 1], adapter_indices=adapters,
+            ),
+            samplers,
+        )
+
+    # -- after the forward pass ------------------------------------------------------------------
+    def _process(
+        self, plan: StepPlan, logits: torch.Tensor, samplers: list[tuple[Sequence, int, int]]
+    ) -> list[RequestOutput]:
+        for seq, n in plan.scheduled:  # type: ignore[assignment]
+            seq.num_computed += n
+            self.kv.on_computed(seq)
+        rows: list[int] = []
+        to_sample: list[Sequence] = []
+        for seq, first, count in samplers:
+            if count > 1:
+                self._record_prompt_logprobs(seq, logits[first : first + count], seq.num_computed - count)
+            if seq.num_computed == seq.num_tokens:
+                rows.append(first + count - 1)
+                to_sample.append(seq)
+        if not to_sample:
+            return []
+        sel = logits if len(rows) == logits.shape[0] else logits[rows]
+        params = [s.request.sampling for s in to_sample]
+        allowed = [
+            s.request.logits_constraint(s.output_token_ids) if s.request.logits_constraint else None
+            for s in to_sample
+        ]
+        tokens, logprobs = self.sampler.sample(
+            sel,
+            params,
+            [s.token_ids[: s.prompt_len] for s in to_sample] if any(p.needs_penalties for p in params) else [[]] * len(params),
+            [s.output_token_ids for s in to_sample] if any(p.needs_penalties for p in params) else [[]] * len(params),
+            [s.generator for s in to_sample],
+            allowed,
+        )
+        now = time.monotonic()
+        outputs = []
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            if seq.status == SequenceStatus.FINISHED:
+                continue
+            self._append_token(seq, token, lp, now)
+            outputs.append(self._make_output(seq))
+        self.counters["generation_tokens"] += len(to_sample)
+        return outputs
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
+        """Logprob of each prompt token given the tokens before it (TGI ``decoder_input_details``)."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.prompt_len
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        k = seq.request.sampling.prompt_logprobs or 0
+        for j in range(rows.shape[0]):
+            target = start + j + 1
+            if target < seq.prompt_len:
+                tok = seq.token_ids[target]
+                top: list[tuple[int, float]] = []
+                if k:
+                    vals, idx = torch.topk(lp[j], k)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                seq.prompt_logprobs[target] = TokenLogprob(tok, float(lp[j, tok]), top)
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> None:
+        params = seq.request.sampling
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        if lp is not None:
+            seq.pending_logprobs.append(lp)
+        n_out = seq.num_output_tokens
+        stop_token = token in params.stop_token_ids
+        eos = token in self.eos_ids and not params.ignore_eos
+        if (eos or stop_token) and n_out > params.min_tokens:
+            if not params.include_stop_str_in_output or eos:
+                seq.token_ids.pop()  # the stop token is not part of the output
+                if lp is not None:
+                    seq.pending_logprobs.pop()
+            else:
+                self._detokenize(seq)
+            seq.stop_reason = token if stop_token else None
+            self._finish(seq, "stop")
+            return
+        self._detokenize(seq)
+        if params.stop and self._check_stop_strings(seq):
+            return
+        if n_out >= seq.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _detokenize(self, seq: Sequence) -> None:
+        seq.output_text += self.detok.step(seq.token_ids, seq.detok_state, seq.request.sampling.skip_special_tokens)
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        params = seq.request.sampling
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, seq.emitted_text_len - longest)
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            i = seq.output_text.find(stop, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return False
+        i, stop = best
+        seq.output_text = seq.output_text[: i + len(stop)] if params.include_stop_str_in_output else seq.output_text[:i]
+        seq.stop_reason = stop
+        self._finish(seq, "stop")
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        self._matched.discard(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["prompt_tokens"] += seq.prompt_len
+        self.by_request.pop(seq.request_id, None)
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        """The increment since the last output of ``seq``; holds back text that may start a stop string."""
+        finished = seq.status == SequenceStatus.FINISHED
+        text = seq.output_text
+        visible = len(text)
+        if not finished and seq.request.sampling.stop:
+            visible = max(seq.emitted_text_len, len(text) - (max(len(s) for s in seq.request.sampling.stop) - 1))
+        new_text = text[seq.emitted_text_len : visible]
+        seq.emitted_text_len = visible
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.emitted_tokens :]
+        seq.emitted_tokens = len(out_ids)
+        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            text=text[:visible],
+            token_ids=out_ids,
+            num_prompt_tokens=seq.prompt_len,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if finished else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
+            seed=seq.request.sampling.seed,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            finished_time=time.monotonic() if finished else None,
+            token_times=list(seq.token_times) if finished else [],
+        )
+
+    # -- statistics ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Queue depths, KV usage and counters, for metrics."""
+        s: dict[str, float] = {
+            "num_running": float(len(self.running)),
+            "num_waiting": float(len(self.waiting)),
+        }
+        s.update(self.kv.stats())
+        s.update({k: float(v) for k, v in self.counters.items()})
+        return s

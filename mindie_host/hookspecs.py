@@ -1,0 +1,208 @@
+"""The whole plugin contract of mindie-host: every hook the host calls.
+
+A plugin is a module or object with functions marked ``@mindie_host.hookimpl``
+whose names match the specs below. It is found through the entry-point group
+``mindie_host.plugins`` and switched on per model in ``config.json``
+(``ModelConfig[].plugin_params`` = ``{"plugin_type": "name[,name...]"}``).
+The host's own defaults (FCFS policy, Standard planner, plain KV-cache manager,
+the ``torch`` backend, the protocol frontends) are registered the same way, as
+builtins, so a plugin replaces a default through the same door.
+
+Hooks marked *firstresult* stop at the first implementation that returns a
+value other than ``None``; plugins registered later are called first, so an
+enabled plugin wins over a builtin. Other hooks call every implementation and
+collect the results in a list.
+
+The hooks fall into five concerns:
+
+* lifecycle: validating a plugin's own config, startup, shutdown, metrics;
+* request parsing: protocol routes, refining an engine request, tool-call parsers;
+* scheduling policy: ordering the waiting queue, planning each step's batch;
+* KV-cache management: the block manager (allocate, share, free, evict);
+* model backend: the runner for a ``backendType``.
+
+If a plugin needs something the host does not pass, the spec grows an argument
+(pluggy lets implementations take any subset of a spec's arguments, so adding
+one never breaks existing plugins).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from .backends.base import ModelBackend
+    from .config import Config, ModelConfig
+    from .engine.kv_cache import KVCacheManager
+    from .engine.policy import SchedulerState, StepPlan
+    from .engine.request import EngineRequest
+    from .engine.sequence import SequenceView
+    from .host import Host
+
+hookspec = pluggy.HookspecMarker("mindie_host")
+
+
+# ---------------------------------------------------------------------------------------------
+# lifecycle
+# ---------------------------------------------------------------------------------------------
+@hookspec
+def mindie_host_validate_config(config: Config, model_config: ModelConfig) -> list[str] | None:
+    """Check this plugin's own settings before anything is loaded.
+
+    :param config: the whole parsed config (``config.Plugins.get(name)`` holds a
+        plugin's own section, ``model_config.plugin_options`` the extra keys of
+        ``plugin_params``).
+    :param model_config: the ``ModelConfig`` entry the plugin is enabled for.
+    :return: a list of error messages (each naming the key, the value given and
+        the allowed range), or ``None``/``[]`` when the config is fine. Any error
+        stops startup. Called for every enabled plugin; not firstresult.
+    """
+
+
+@hookspec
+def mindie_host_startup(host: Host) -> None:
+    """Called once the model is loaded and the engine is built, before serving.
+
+    :param host: the running :class:`~mindie_host.host.Host` (config, tokenizer,
+        model info, engine statistics). Use it to load adapters, register
+        metrics, start background work. Not firstresult; return value ignored.
+    """
+
+
+@hookspec
+def mindie_host_shutdown(host: Host) -> None:
+    """Called once when the server stops, after in-flight requests have drained.
+
+    :param host: the same object passed to :func:`mindie_host_startup`.
+    Not firstresult; return value ignored.
+    """
+
+
+@hookspec
+def mindie_host_metrics(host: Host) -> dict[str, float] | None:
+    """Contribute gauges to the JSON metrics and the Prometheus exporter.
+
+    :param host: the running host.
+    :return: a mapping of metric name to value (e.g.
+        ``{"npu_prefix_cache_hit_rate": 0.42}``), or ``None``. Called on every
+        metrics scrape for every plugin; results are merged. Not firstresult.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# request parsing
+# ---------------------------------------------------------------------------------------------
+@hookspec
+def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+    """Register HTTP routes for a protocol.
+
+    :param app: the FastAPI application of one plane.
+    :param host: the running host; protocol modules call ``host.generate(...)``.
+    :param plane: ``"business"`` (inference port) or ``"management"``
+        (management port). Each builtin protocol module (openai, tgi, vllm,
+        triton, native, management) implements this. Not firstresult.
+    """
+
+
+@hookspec
+def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Host) -> None:
+    """Adjust an engine request after a protocol module has parsed it.
+
+    :param request: the :class:`~mindie_host.engine.request.EngineRequest`,
+        already tokenized and range-checked; mutate it in place (e.g. set
+        ``adapter``, ``adapter_index`` and ``cache_salt``).
+    :param body: the raw JSON body as received.
+    :param protocol: ``"openai"``, ``"tgi"``, ``"vllm"``, ``"triton"`` or ``"native"``.
+    :param host: the running host.
+    :raises mindie_host.api.RequestError: to refuse the request with a 4xx that
+        names the field. Called for every plugin; not firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_tool_call_parser(model_type: str, host: Host) -> Any | None:
+    """Provide the tool-call parser for a model family.
+
+    :param model_type: the model's family (``"llama"``, ``"qwen2"``, ...).
+    :param host: the running host.
+    :return: an object with ``parse(text) -> list[dict] | None`` turning generated
+        text into OpenAI ``tool_calls``; ``None`` to let another plugin answer.
+        firstresult.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduling policy
+# ---------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def mindie_host_order_waiting(waiting: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
+    """Order the waiting queue: the first sequence is admitted first.
+
+    :param waiting: sequences not yet admitted (new, or preempted and waiting to
+        be recomputed). Do not mutate them.
+    :param config: the whole config (``config.schedule.prefillPolicyType``,
+        ``policyType`` ...).
+    :param now: ``time.monotonic()`` of this step.
+    :return: the same sequences in admission order, or ``None`` to defer to the
+        next implementation. firstresult; the builtin honours
+        ``prefillPolicyType`` (0/1 FCFS, 2 priority) and ``policyType``
+        (4 shortest job first, 5 longest job first).
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_plan_step(state: SchedulerState) -> StepPlan | None:
+    """Build one step's batch.
+
+    :param state: a :class:`~mindie_host.engine.policy.SchedulerState` with the
+        running and (ordered) waiting sequences, the batch limits and read-only
+        access to the KV-cache manager.
+    :return: a :class:`~mindie_host.engine.policy.StepPlan` listing
+        ``(sequence, num_tokens)`` pairs, or ``None`` to defer. The engine
+        allocates blocks in plan order and preempts (by recomputation) running
+        sequences if blocks run out. firstresult; the builtin is MindIE's
+        ``Standard`` template (prefill and decode in separate steps).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-cache management
+# ---------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def mindie_host_kv_cache_manager(num_blocks: int, block_size: int, config: Config) -> KVCacheManager | None:
+    """Create the KV-cache block manager.
+
+    :param num_blocks: blocks that fit the memory budget.
+    :param block_size: tokens per block (``cacheBlockSize``).
+    :param config: the whole config.
+    :return: a :class:`~mindie_host.engine.kv_cache.KVCacheManager` (or subclass:
+        ``prefix_cache`` returns one that shares blocks by chained hash), or
+        ``None`` to defer. firstresult.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# model backend
+# ---------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def mindie_host_model_backend(backend_type: str, model_config: ModelConfig, config: Config) -> ModelBackend | None:
+    """Create the model runner for a ``backendType``.
+
+    :param backend_type: ``ModelConfig.backendType`` (``"torch"``, ``"ms"``, ``"atb"`` ...).
+    :param model_config: the model entry (weights path, dtype, device, memory budgets).
+    :param config: the whole config.
+    :return: an unloaded :class:`~mindie_host.backends.base.ModelBackend` if this
+        plugin serves ``backend_type``, else ``None``. Raise ``RuntimeError``
+        with an install hint if the type is yours but a dependency is missing.
+        firstresult.
+    """
+
+
+@hookspec
+def mindie_host_backend_types() -> list[str] | None:
+    """Names of the ``backendType`` values this plugin can serve (for
+    ``mindie-host plugins`` and config validation). Not firstresult."""

@@ -1,0 +1,270 @@
+"""The running host: config + plugins + backend + tokenizer + engine, as protocol modules see it.
+
+Protocol modules and plugins talk to the server through this object only:
+:meth:`Host.generate` to run a request, :meth:`Host.new_request` to build one
+(tokenized, length-checked and refined by the request-parsing hooks), and a few
+facts (model names, tokenizer, config, statistics).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .backends.base import ModelBackend, ModelInfo
+from .config import Config
+from .engine.async_engine import AsyncEngine
+from .engine.core import EngineLimits, LLMEngine
+from .engine.policy import SchedulerLimits
+from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .models.default import default_model_path
+from .models.weights import resolve_model
+from .plugins import PluginError, PluginHost, install_hint
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("mindie_host")
+
+#: The spec's "1MB" token cap on inputs, read as a token count.
+SPEC_TOKEN_CAP = 1 << 20
+
+
+class Host:
+    """Everything a protocol module or plugin needs from the server."""
+
+    def __init__(self, config: Config, plugins: PluginHost | None = None) -> None:
+        self.config = config
+        self.plugins = plugins or PluginHost()
+        self.model_config = config.model
+        self.model_name = self.model_config.modelName
+        self.created = int(time.time())
+        self.started_at = time.time()
+        self.ready = False
+        self.draining = False
+        self.backend: ModelBackend | None = None
+        self.info: ModelInfo | None = None
+        self.tokenizer: Any = None
+        self.engine: AsyncEngine | None = None
+        self.llm: LLMEngine | None = None
+        self.adapters: dict[str, int] = {}  # adapter name -> slot, maintained by multi_lora
+        self.state: dict[str, Any] = {}  # plugin scratch space, keyed by plugin name
+        self._request_counter = 0
+        self._counter_lock = threading.Lock()
+
+    # -- startup ----------------------------------------------------------------------------
+    def load(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Enable plugins, load tokenizer and weights, size the KV cache, build the engine."""
+        cfg = self.config
+        self.plugins.enable_from_config(cfg)
+        errors = self.plugins.validate(cfg)
+        if errors:
+            raise PluginError("plugin configuration rejected:\n  " + "\n  ".join(errors))
+        mc = self.model_config
+        backend = self.plugins.hook.mindie_host_model_backend(
+            backend_type=mc.backendType, model_config=mc, config=cfg
+        )
+        if backend is None:
+            known = ", ".join(self.plugins.backend_types()) or "none"
+            raise PluginError(
+                f"no installed plugin serves backendType {mc.backendType!r} (served: {known}); "
+                f"{install_hint(mc.backendType)}"
+            )
+        if progress is not None and hasattr(backend, "progress"):
+            backend.progress = progress
+        self.backend = backend
+        source = resolve_model(mc.modelWeightPath or str(default_model_path()))
+        self.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
+        self.info = backend.load()
+        if not self.info.eos_token_ids and self.tokenizer.eos_token_id is not None:
+            self.info.eos_token_ids = [self.tokenizer.eos_token_id]
+        self._build_engine()
+        self.plugins.hook.mindie_host_startup(host=self)
+
+    def _build_engine(self) -> None:
+        assert self.backend is not None and self.info is not None
+        sc = self.config.schedule
+        deploy = self.config.deploy
+        mc = self.model_config
+        block_size = sc.cacheBlockSize
+        on_cpu = self.info.device == "cpu"
+        budget_gb = mc.cpuMemSize if on_cpu else mc.npuMemSize
+        budget = self.backend.available_kv_memory(budget_gb if budget_gb != 0 else -1)
+        per_block = self.backend.kv_cache_bytes_per_block(block_size)
+        num_blocks = max(1, budget // per_block)
+        # never more than every running sequence at full length needs
+        ceiling = sc.maxBatchSize * math.ceil(deploy.maxSeqLen / block_size) + 1
+        num_blocks = int(min(num_blocks, ceiling))
+        if num_blocks * block_size < deploy.maxSeqLen:
+            raise PluginError(
+                f"KV cache budget too small: {num_blocks} blocks of {block_size} tokens cannot hold one "
+                f"sequence of maxSeqLen={deploy.maxSeqLen}; raise {'cpuMemSize' if on_cpu else 'npuMemSize'}"
+            )
+        self.backend.allocate_kv_cache(num_blocks, block_size)
+        self.backend.warmup()
+        kv = self.plugins.hook.mindie_host_kv_cache_manager(num_blocks=num_blocks, block_size=block_size, config=self.config)
+        limits = SchedulerLimits(
+            max_batch_size=sc.maxBatchSize,
+            max_prefill_batch_size=sc.maxPrefillBatchSize or sc.maxBatchSize,
+            max_prefill_tokens=sc.maxPrefillTokens,
+            max_queue_delay_s=sc.maxQueueDelayMicroseconds / 1e6,
+            support_select_batch=sc.supportSelectBatch,
+            prefill_time_ms_per_req=sc.prefillTimeMsPerReq,
+            decode_time_ms_per_req=sc.decodeTimeMsPerReq,
+        )
+        self.llm = LLMEngine(
+            backend=self.backend,
+            model_info=self.info,
+            tokenizer=self.tokenizer,
+            kv=kv,
+            scheduler_limits=limits,
+            limits=EngineLimits(max_seq_len=deploy.maxSeqLen, max_iter_times=sc.maxIterTimes),
+            hook=self.plugins.hook,
+            config=self.config,
+        )
+        self.engine = AsyncEngine(self.llm)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, block_size, num_blocks * per_block / 2**20)
+
+    def start(self) -> None:
+        """Start the engine worker and mark the server ready."""
+        assert self.engine is not None
+        self.engine.start()
+        self.ready = True
+
+    def shutdown(self) -> None:
+        """Stop the engine and tell plugins."""
+        self.ready = False
+        if self.engine is not None:
+            self.engine.stop()
+        self.plugins.hook.mindie_host_shutdown(host=self)
+        if self.backend is not None:
+            self.backend.shutdown()
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def served_model_names(self) -> list[str]:
+        """The base model name followed by every loaded adapter name."""
+        return [self.model_name, *self.adapters]
+
+    @property
+    def max_input_tokens(self) -> int:
+        """min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings, 1M) (spec §0.3)."""
+        deploy = self.config.deploy
+        limit = min(deploy.maxInputTokenLen, deploy.maxSeqLen - 1, SPEC_TOKEN_CAP)
+        if self.info is not None:
+            limit = min(limit, self.info.max_position_embeddings)
+        return limit
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.info is not None
+        return self.info.vocab_size
+
+    def new_request_id(self, prefix: str = "endpoint_common") -> str:
+        """A unique id like MindIE's ``endpoint_common_12``."""
+        with self._counter_lock:
+            self._request_counter += 1
+            return f"{prefix}_{self._request_counter}_{uuid.uuid4().hex[:8]}"
+
+    def stats(self) -> dict[str, float]:
+        """Engine statistics plus every plugin's metrics."""
+        stats: dict[str, float] = {}
+        if self.llm is not None:
+            stats.update(self.llm.stats())
+        if self.engine is not None:
+            stats["num_active_requests"] = float(self.engine.num_active)
+        for extra in self.plugins.hook.mindie_host_metrics(host=self):
+            stats.update(extra or {})
+        return stats
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> str:
+        """Render chat messages with the tokenizer's template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use a completions endpoint", field="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as exc:  # a template error is the request's fault (bad roles, ...)
+            raise RequestError(f"messages could not be rendered by the chat template: {exc}", field="messages") from exc
+
+    def new_request(
+        self,
+        *,
+        protocol: str,
+        body: dict[str, Any],
+        sampling: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        add_special_tokens: bool = True,
+        truncate: int | None = None,
+        priority: int = 3,
+        timeout: float | None = None,
+        field: str = "prompt",
+    ) -> EngineRequest:
+        """Tokenize, check lengths (spec §0.3), and run the request-refinement hooks."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError(f"{field} is required", field=field)
+            prompt_token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError(f"{field} must not be empty", field=field)
+        if self.info is not None:
+            bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"{field} has token id {bad} outside [0, {self.info.vocab_size - 1}]", field=field)
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+        limit = self.max_input_tokens
+        if len(ids) > limit:
+            if self.config.deploy.truncation:
+                ids = ids[-limit:]
+            else:
+                raise RequestError(
+                    f"{field} has {len(ids)} tokens; the limit is {limit} "
+                    f"(min of maxInputTokenLen, maxSeqLen-1, max_position_embeddings)",
+                    field=field,
+                )
+        if sampling.top_k and self.info is not None and sampling.top_k >= self.info.vocab_size:
+            sampling.top_k = 0  # >= vocabSize means the whole vocabulary
+        timeout = timeout if timeout is not None else self.config.server.requestTimeoutSeconds
+        req = EngineRequest(
+            request_id=request_id or self.new_request_id(),
+            prompt_token_ids=ids,
+            sampling=sampling,
+            prompt=prompt,
+            priority=priority,
+            timeout=timeout,
+        )
+        self.plugins.hook.mindie_host_refine_request(request=req, body=body, protocol=protocol, host=self)
+        return req
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Run ``request`` and stream its outputs (cumulative ``text``, incremental ``new_text``)."""
+        if self.engine is None or not self.ready:
+            raise RequestError("The service is not ready.", status=503)
+        if self.draining:
+            raise RequestError("The service has been stopped.", status=503)
+        async for out in self.engine.generate(request):
+            yield out
+
+    async def generate_full(self, request: EngineRequest) -> RequestOutput:
+        """Run ``request`` to the end and return its last output, with every token id and all logprobs."""
+        last: RequestOutput | None = None
+        logprobs = []
+        async for out in self.generate(request):
+            logprobs.extend(out.logprobs)
+            last = out
+        assert last is not None
+        last.logprobs = logprobs
+        return last

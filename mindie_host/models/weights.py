@@ -1,0 +1,257 @@
+"""Reading Llama-family models: architecture facts and weights, from an HF directory or a GGUF file.
+
+Weights come out under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)
+as float32 numpy arrays, whatever the source, so every backend (torch, MindSpore,
+Ascend) shares one loader. GGUF tensors are dequantized with the ``gguf`` package
+and the Q/K row permutation that llama.cpp's converter applies is undone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
+
+
+class ModelLoadError(RuntimeError):
+    """The model path is missing, unreadable or of an unsupported architecture."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model lives: an HF directory, or a GGUF file (with its directory)."""
+
+    kind: str  # "hf" | "gguf"
+    path: Path
+    directory: Path
+
+    @property
+    def name(self) -> str:
+        stem = self.path.name if self.kind == "hf" else self.path.stem
+        return stem.split(".Q")[0].split(".F")[0] if self.kind == "gguf" else stem
+
+
+@dataclass
+class LlamaArch:
+    """The hyper-parameters of a Llama-family decoder."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+
+def resolve_model(path: str | os.PathLike[str]) -> ModelSource:
+    """Classify ``path``: a ``.gguf`` file, a directory with ``config.json``, or a directory holding one GGUF."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelLoadError(f"model file {str(p)!r} is not a .gguf file")
+        return ModelSource("gguf", p, p.parent)
+    if (p / "config.json").exists():
+        return ModelSource("hf", p, p)
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], p)
+    raise ModelLoadError(f"{str(p)!r} has no config.json and not exactly one .gguf file")
+
+
+# -- architecture ------------------------------------------------------------------------
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def load_arch(source: ModelSource) -> LlamaArch:
+    """Read the architecture from ``config.json`` (HF) or the GGUF metadata."""
+    if source.kind == "gguf":
+        return _gguf_arch(source.path)
+    cfg = json.loads((source.path / "config.json").read_text())
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = _as_list(cfg.get("eos_token_id"))
+    gen_path = source.path / "generation_config.json"
+    if gen_path.exists():
+        eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
+    return LlamaArch(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+        rope_scaling=cfg.get("rope_scaling"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+    )
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _gguf_arch(path: Path) -> LlamaArch:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
+    heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = _gguf_field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return LlamaArch(
+        model_type=arch,
+        hidden_size=hidden,
+        num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        vocab_size=int(vocab),
+        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_as_list(eos),
+        torch_dtype="float32",
+    )
+
+
+# -- weights -------------------------------------------------------------------------------
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its HF name; None if unknown."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
+        return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleaving of a Q or K projection (weight or bias)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(source: ModelSource, arch: LlamaArch | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, float32 array)`` for every tensor of the model."""
+    if source.kind == "gguf":
+        yield from _iter_gguf(source.path, arch or load_arch(source))
+    else:
+        yield from _iter_safetensors(source.path)
+
+
+def count_tensors(source: ModelSource) -> int:
+    """How many tensors :func:`iter_weights` will yield (for progress bars)."""
+    if source.kind == "gguf":
+        import gguf
+
+        return len(gguf.GGUFReader(str(source.path)).tensors)
+    from safetensors import safe_open
+
+    total = 0
+    for f in _safetensor_files(source.path):
+        with safe_open(str(f), framework="numpy") as st:
+            total += len(list(st.keys()))
+    return total
+
+
+def _iter_gguf(path: Path, arch: LlamaArch) -> Iterator[tuple[str, np.ndarray]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        hf = gguf_name_to_hf(tensor.name)
+        if hf is None:
+            continue
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+            array = _unpermute_rows(array, arch.num_heads)
+        elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+            array = _unpermute_rows(array, arch.num_kv_heads)
+        yield hf, array
+
+
+def _safetensor_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {str(directory)!r}")
+    return files
+
+
+def _iter_safetensors(directory: Path) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    for f in _safetensor_files(directory):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                yield key, st.get_tensor(key).float().numpy()

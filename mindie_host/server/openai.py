@@ -1,0 +1,507 @@
+"""OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+``ServerConfig.openAiSupport`` picks the chat variant (spec §4.2.3 / §4.2.4):
+``"vllm"`` (the default) accepts ``null`` for optional fields, ``temperature >= 0``
+with no upper bound and ``top_k = -1``; any other value is the plain variant
+(``temperature`` in [0, 2], ``top_k`` in [0, 2^31-1], no nulls). Errors use
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .. import hookimpl
+from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
+from .params import build_sampling
+from .validation import INT32_MAX, Fields, check_seed, check_text_size
+
+if TYPE_CHECKING:
+    from ..host import Host
+
+PROTOCOL = "openai"
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def openai_error_body(err: RequestError) -> dict[str, Any]:
+    """OpenAI's error object."""
+    kind = {
+        400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+        413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    }.get(err.status, "server_error")
+    code = "model_not_found" if err.status == 404 else None
+    return {"error": {"message": err.message, "type": kind, "param": err.field, "code": code}}
+
+
+def openai_error(err: RequestError) -> JSONResponse:
+    return error_response(err, openai_error_body)
+
+
+# -- request parsing ---------------------------------------------------------------------
+@dataclass
+class ParsedRequest:
+    """What both endpoints share after parsing."""
+
+    model: str
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+def resolve_model(host: Host, fields: Fields) -> str:
+    """``model`` must name the served model or a loaded adapter (404 otherwise)."""
+    model = fields.str("model", None, min_len=1)
+    if model is None:
+        raise RequestError("model is required", field="model")
+    if model not in host.served_model_names:
+        raise RequestError(
+            f"The model `{model}` does not exist; served: {host.served_model_names}", status=404, field="model"
+        )
+    return model
+
+
+def parse_common(host: Host, f: Fields, *, chat: bool) -> ParsedRequest:
+    """Fields both endpoints share, with the variant's ranges."""
+    vllm = host.config.server.openAiSupport == "vllm"
+    model = resolve_model(host, f)
+    if vllm:
+        temperature = f.float("temperature", lo=0.0)
+        top_k = f.int("top_k", lo=0, hi=INT32_MAX, lo_open=True, allow=(-1,))
+        stop = f.stop_list("stop", max_items=None, item_max=None, total_max=32768, str_max=32768)
+    else:
+        temperature = f.float("temperature", lo=0.0, hi=2.0)
+        top_k = f.int("top_k", lo=0, hi=INT32_MAX)
+        stop = f.stop_list("stop", max_items=1024, item_max=1024, total_max=32768, str_max=1024)
+    values = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": f.float("top_p", lo=1e-6, hi=1.0, lo_open=True),
+        "min_p": f.float("min_p", lo=0.0, hi=1.0),
+        "presence_penalty": f.float("presence_penalty", lo=-2.0, hi=2.0),
+        "frequency_penalty": f.float("frequency_penalty", lo=-2.0, hi=2.0),
+        "repetition_penalty": f.float("repetition_penalty", lo=0.0, hi=2.0, lo_open=True),
+    }
+    max_tokens = f.int("max_tokens", lo=0, hi=INT32_MAX, lo_open=True)
+    if chat and max_tokens is None:
+        max_tokens = f.int("max_completion_tokens", lo=0, hi=INT32_MAX, lo_open=True)
+    n = f.int("n", 1, lo=1, hi=128) or 1
+    stream = f.bool("stream", False) or False
+    opts = Fields(f.raw("stream_options"), "stream_options.", nullable=True)
+    include_usage = bool(opts.bool("include_usage", False))
+    if chat:
+        want = f.bool("logprobs", False)
+        top = f.int("top_logprobs", None, lo=0, hi=20)
+        if top is not None and not want:
+            raise RequestError("top_logprobs requires logprobs to be true", field="top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = f.int("logprobs", None, lo=0, hi=20)
+    sampling = build_sampling(
+        host,
+        values,
+        None,  # do_sample is not part of the OpenAI APIs and is not validated (spec §4.1)
+        seed=check_seed(f, "seed", zero_allowed=True),
+        max_tokens=max_tokens,
+        min_tokens=f.int("min_tokens", 0, lo=0, hi=INT32_MAX),
+        stop=stop,
+        stop_token_ids=f.int_list("stop_token_ids", allow_null_items=not vllm),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        ignore_eos=f.bool("ignore_eos", False),
+        logprobs=logprobs,
+    )
+    if n > 1 and sampling.greedy and sampling.seed is None:
+        pass  # n greedy copies are identical, as in vLLM
+    return ParsedRequest(model, sampling, n, stream, include_usage, logprobs)
+
+
+def chat_messages(f: Fields) -> list[dict[str, Any]]:
+    """Validate ``messages`` (roles, content, tool calls) and return them for the chat template."""
+    messages = f.raw("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", field="messages")
+    out: list[dict[str, Any]] = []
+    total = 0
+    for i, msg in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise RequestError(f"{name} must be an object", field=name)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{name}.role must be one of {list(ROLES)}, got {role!r}", field=f"{name}.role")
+        content = msg.get("content")
+        tool_calls = msg.get("tool_calls")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise RequestError(f"{name}.content[{j}] must be an object", field=f"{name}.content[{j}]")
+                kind = part.get("type", "text")
+                if kind != "text":
+                    raise RequestError(
+                        f"{name}.content[{j}].type {kind!r} is not supported by this text-only model",
+                        field=f"{name}.content[{j}].type",
+                    )
+                text = part.get("text")
+                if not isinstance(text, str) or not text:
+                    raise RequestError(f"{name}.content[{j}].text must be a non-empty string",
+                                       field=f"{name}.content[{j}].text")
+                parts.append(text)
+            content = "".join(parts)
+        if content is None or content == "":
+            if not (role == "assistant" and tool_calls):
+                raise RequestError(f"{name}.content must be a non-empty string", field=f"{name}.content")
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"{name}.content must be a string or a list of parts", field=f"{name}.content")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise RequestError(f"{name}.tool_call_id is required when role is tool", field=f"{name}.tool_call_id")
+        total += len(content)
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if tool_calls:
+            entry["tool_calls"] = validate_tool_calls(tool_calls, f"{name}.tool_calls")
+        if role == "tool":
+            entry["tool_call_id"] = msg["tool_call_id"]
+        out.append(entry)
+    if total > 4 * 1024 * 1024:
+        raise RequestError(f"messages total content must be at most 4 MB, got {total} characters", field="messages")
+    return out
+
+
+def validate_tool_calls(calls: Any, name: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (type function, name, JSON-string arguments)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{name} must be a list", field=name)
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise RequestError(f"{name}[{k}].function needs string name and arguments", field=f"{name}[{k}].function")
+    return calls
+
+
+# -- rendering -------------------------------------------------------------------------------
+def _token_text(host: Host, token_id: int) -> str:
+    return host.tokenizer.decode([token_id])
+
+
+def chat_logprobs(host: Host, items: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs`` of the chat API."""
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        text = _token_text(host, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top]} for it in items
+        ]
+    }
+
+
+def completion_logprobs(host: Host, items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """``choices[].logprobs`` of the legacy completions API."""
+    tokens = [_token_text(host, it.token_id) for it in items]
+    offsets = []
+    pos = offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [it.logprob for it in items],
+        "top_logprobs": [{_token_text(host, t): lp for t, lp in it.top} for it in items],
+        "text_offset": offsets,
+    }
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def raise_for_failure(out: RequestOutput) -> None:
+    """Turn an engine-side failure into the right HTTP error."""
+    if out.finish_reason == "error":
+        raise RequestError(out.error or "generation failed", status=500)
+    if out.finish_reason == "timeout":
+        raise RequestError(out.error or "request timed out", status=408)
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
+
+
+def timings(out: RequestOutput) -> dict[str, Any]:
+    """MindIE's non-standard ``prefill_time`` and ``decode_time_arr`` (milliseconds)."""
+    if out.first_token_time is None:
+        return {"prefill_time": None, "decode_time_arr": []}
+    prefill = (out.first_token_time - out.arrival_time) * 1000
+    times = out.token_times
+    decode = [round((b - a) * 1000, 3) for a, b in zip(times, times[1:])]
+    return {"prefill_time": round(prefill, 3), "decode_time_arr": decode}
+
+
+# -- endpoints ---------------------------------------------------------------------------------
+class OpenAIServer:
+    """Handlers for one host."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def make_requests(self, body: dict[str, Any], parsed: ParsedRequest, prompts: list[tuple[str | None, list[int] | None]],
+                      base_id: str) -> list[EngineRequest]:
+        reqs = []
+        for p_index, (text, ids) in enumerate(prompts):
+            for k in range(parsed.n):
+                sampling = SamplingParams(**{**parsed.sampling.__dict__})
+                sampling.stop = list(parsed.sampling.stop)
+                if sampling.seed is not None and parsed.n > 1:
+                    sampling.seed = sampling.seed + k
+                reqs.append(
+                    self.host.new_request(
+                        protocol=PROTOCOL, body=body, sampling=sampling, prompt=text, prompt_token_ids=ids,
+                        request_id=f"{base_id}-{p_index}-{k}", add_special_tokens=ids is None and text is not None,
+                        field="prompt" if "prompt" in body else "messages",
+                    )
+                )
+        return reqs
+
+    async def chat(self, request: Request) -> Response:
+        host = self.host
+        try:
+            body = await read_json(request, host)
+            nullable = host.config.server.openAiSupport == "vllm"
+            f = Fields(body, nullable=nullable)
+            parsed = parse_common(host, f, chat=True)
+            messages = chat_messages(f)
+            tools = f.raw("tools")
+            prompt = host.apply_chat_template(messages, tools=tools if tools else None)
+            check_text_size(prompt, "messages")
+            base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+            reqs = self.make_requests(body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id)
+            created = int(time.time())
+            if parsed.stream:
+                return streaming_response(self._chat_stream(reqs, parsed, base_id, created))
+            outs = await until_disconnect(request, asyncio.gather(*(host.generate_full(r) for r in reqs)))
+            choices = []
+            for i, out in enumerate(outs):
+                raise_for_failure(out)
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text, "tool_calls": None},
+                    "logprobs": chat_logprobs(host, out.logprobs) if parsed.logprobs is not None else None,
+                    "finish_reason": finish_reason(out),
+                }
+                if out.stop_reason is not None:
+                    choice["stop_reason"] = out.stop_reason
+                choices.append(choice)
+            first = outs[0]
+            return json_response({
+                "id": base_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": parsed.model,
+                "choices": choices,
+                "usage": usage(first.num_prompt_tokens, sum(len(o.token_ids) for o in outs), first.num_cached_tokens),
+                **timings(first),
+            })
+        except RequestError as err:
+            return openai_error(err)
+
+    async def _merged(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests as they come, tagged with the request's index."""
+        if len(reqs) == 1:
+            async for out in self.host.generate(reqs[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, req: EngineRequest) -> None:
+            try:
+                async for out in self.host.generate(req):
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, exc))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _chat_stream(self, reqs: list[EngineRequest], parsed: ParsedRequest, base_id: str,
+                           created: int) -> AsyncIterator[bytes]:
+        full_text = self.host.config.server.fullTextEnabled
+        totals = [0] * len(reqs)
+        prompt_tokens = len(reqs[0].prompt_token_ids)
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return sse_event({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                              "model": parsed.model, **extra, "choices": choices})
+
+        try:
+            async for i, out in self._merged(reqs):
+                if out.finished and out.finish_reason in ("error", "timeout"):
+                    err = RequestError(out.error or "generation failed", status=500 if out.finish_reason == "error" else 408)
+                    yield sse_event(openai_error_body(err))
+                    break
+                totals[i] = len(out.token_ids)
+                content = out.text if full_text else out.new_text
+                if not out.finished and not out.new_text:
+                    continue
+                choice: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": content},
+                                          "logprobs": None, "finish_reason": None}
+                if parsed.logprobs is not None and out.logprobs:
+                    choice["logprobs"] = chat_logprobs(self.host, out.logprobs)
+                extra: dict[str, Any] = {}
+                if out.finished:
+                    choice["finish_reason"] = finish_reason(out)
+                    if full_text:
+                        extra["full_text"] = out.text
+                    extra["usage"] = usage(prompt_tokens, totals[i])
+                yield chunk([choice], **extra)
+            if parsed.include_usage:
+                yield chunk([], usage=usage(prompt_tokens, sum(totals)))
+            yield b"data: [DONE]\n\n"
+        except RequestError as err:
+            yield sse_event(openai_error_body(err))
+            yield b"data: [DONE]\n\n"
+
+    async def completions(self, request: Request) -> Response:
+        host = self.host
+        try:
+            body = await read_json(request, host)
+            f = Fields(body, nullable=host.config.server.openAiSupport == "vllm")
+            parsed = parse_common(host, f, chat=False)
+            prompts = completion_prompts(f.raw("prompt"))
+            echo = bool(f.bool("echo", False))
+            base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+            reqs = self.make_requests(body, parsed, prompts, base_id)
+            created = int(time.time())
+            if parsed.stream:
+                return streaming_response(self._completion_stream(reqs, parsed, base_id, created))
+            outs = await until_disconnect(request, asyncio.gather(*(host.generate_full(r) for r in reqs)))
+            choices = []
+            for i, (out, req) in enumerate(zip(outs, reqs)):
+                raise_for_failure(out)
+                prefix = (req.prompt or host.tokenizer.decode(req.prompt_token_ids)) if echo else ""
+                choices.append({
+                    "index": i,
+                    "text": prefix + out.text,
+                    "logprobs": completion_logprobs(host, out.logprobs, len(prefix)) if parsed.logprobs is not None
+                    else None,
+                    "finish_reason": finish_reason(out),
+                    "stop_reason": out.stop_reason,
+                })
+            return json_response({
+                "id": base_id,
+                "object": "text_completion",
+                "created": created,
+                "model": parsed.model,
+                "choices": choices,
+                "usage": usage(sum(len(r.prompt_token_ids) for r in reqs) // max(1, parsed.n),
+                               sum(len(o.token_ids) for o in outs)),
+            })
+        except RequestError as err:
+            return openai_error(err)
+
+    async def _completion_stream(self, reqs: list[EngineRequest], parsed: ParsedRequest, base_id: str,
+                                 created: int) -> AsyncIterator[bytes]:
+        full_text = self.host.config.server.fullTextEnabled
+        totals = [0] * len(reqs)
+        try:
+            async for i, out in self._merged(reqs):
+                if out.finished and out.finish_reason in ("error", "timeout"):
+                    err = RequestError(out.error or "generation failed", status=500 if out.finish_reason == "error" else 408)
+                    yield sse_event(openai_error_body(err))
+                    break
+                totals[i] = len(out.token_ids)
+                if not out.finished and not out.new_text:
+                    continue
+                choice = {
+                    "index": i,
+                    "text": out.text if full_text else out.new_text,
+                    "logprobs": completion_logprobs(self.host, out.logprobs) if parsed.logprobs is not None else None,
+                    "finish_reason": finish_reason(out) if out.finished else None,
+                }
+                yield sse_event({"id": base_id, "object": "text_completion", "created": created,
+                                 "model": parsed.model, "choices": [choice]})
+            if parsed.include_usage:
+                prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs) // max(1, parsed.n)
+                yield sse_event({"id": base_id, "object": "text_completion", "created": created,
+                                 "model": parsed.model, "choices": [], "usage": usage(prompt_tokens, sum(totals))})
+            yield b"data: [DONE]\n\n"
+        except RequestError as err:
+            yield sse_event(openai_error_body(err))
+            yield b"data: [DONE]\n\n"
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card(name) for name in self.host.served_model_names]}
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name, "object": "model", "created": self.host.created, "owned_by": "MindIE Server"}
+        if name != self.host.model_name:
+            card["parent"] = self.host.model_name
+        if self.host.info is not None:
+            card["max_model_len"] = self.host.config.deploy.maxSeqLen
+        return card
+
+
+def completion_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+    """``prompt`` as a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        check_text_size(prompt, "prompt")
+        return [(prompt, None)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            for i, p in enumerate(prompt):
+                check_text_size(p, f"prompt[{i}]")
+            return [(p, None) for p in prompt]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return [(None, list(p)) for p in prompt]
+    raise RequestError("prompt must be a non-empty string, list of strings, or list of token ids", field="prompt")
+
+
+@hookimpl
+def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+    if plane != "business":
+        return
+    server = OpenAIServer(host)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(server.models())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model not in host.served_model_names:
+            return openai_error(RequestError(f"Model {model} not found.", status=404, field="model"))
+        return json_response(server.model_card(model))
+
+    app.post("/v1/chat/completions")(server.chat)
+    app.post("/v1/completions")(server.completions)

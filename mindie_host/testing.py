@@ -1,0 +1,180 @@
+"""Test helpers shipped with the host so plugin packages can test against a real server.
+
+* :func:`make_tiny_llama` writes a small random Llama (HF format) with the
+  default model's real tokenizer and chat template, so tests run fast but go
+  through the real loader, tokenizer, engine and protocols.
+* :func:`server_config` builds a config dict for a model path, with small memory
+  budgets and free ports.
+* :class:`RunningServer` starts the real HTTP server on free loopback ports in a
+  background thread and stops it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import config_from_dict, default_config_dict
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_tiny_llama(
+    directory: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a random tiny Llama with the SmolLM2 tokenizer into ``directory``; returns the path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .models.default import default_model_path
+    from .models.weights import resolve_model
+    from .tokenizer import load_tokenizer
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = load_tokenizer(resolve_model(default_model_path()))
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger logits spread so greedy ties are vanishingly rare
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def server_config(model_path: str | Path | None, **overrides: Any) -> dict[str, Any]:
+    """A config dict for tests: free ports, small KV budget, the given model.
+
+    ``overrides`` are dotted-free section updates: ``server={...}``, ``model={...}``,
+    ``schedule={...}``, ``deploy={...}``, ``plugins={...}``.
+    """
+    cfg = copy.deepcopy(default_config_dict())
+    server = cfg["ServerConfig"]
+    server.update({"ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.1", "port": free_port(),
+                   "managementPort": free_port(), "metricsPort": free_port(), "httpsEnabled": False})
+    deploy = cfg["BackendConfig"]["ModelDeployConfig"]
+    deploy.update({"maxSeqLen": 1024, "maxInputTokenLen": 768})
+    model = deploy["ModelConfig"][0]
+    model.update({"modelName": "tiny", "modelWeightPath": str(model_path) if model_path else "", "cpuMemSize": 1,
+                  "worldSize": 1})
+    if model_path is None:
+        model["modelName"] = "SmolLM2-135M-Instruct"
+    sched = cfg["BackendConfig"]["ScheduleConfig"]
+    sched.update({"cacheBlockSize": 16, "maxPrefillTokens": 4096, "maxIterTimes": 512, "maxBatchSize": 32,
+                  "maxPrefillBatchSize": 16})
+    server.update(overrides.pop("server", {}))
+    model.update(overrides.pop("model", {}))
+    sched.update(overrides.pop("schedule", {}))
+    deploy.update(overrides.pop("deploy", {}))
+    cfg.setdefault("Plugins", {}).update(overrides.pop("plugins", {}))
+    if overrides:
+        raise TypeError(f"unknown override sections: {sorted(overrides)}")
+    return cfg
+
+
+class RunningServer:
+    """The real server (all planes) on loopback ports, in a background thread.
+
+    Use as a context manager. ``url`` is the business plane, ``management_url``
+    and ``metrics_url`` the others. ``host`` is the live :class:`~mindie_host.host.Host`.
+    """
+
+    def __init__(self, config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None,
+                 timeout: float = 120.0) -> None:
+        from .host import Host
+
+        self.config = config_from_dict(config)
+        self.host = Host(self.config)
+        for plugin, name in plugins or []:
+            self.host.plugins.register(plugin, name)
+        s = self.config.server
+        scheme = "https" if s.httpsEnabled else "http"
+        self.url = f"{scheme}://{s.ipAddress}:{s.port}"
+        self.management_url = f"{scheme}://{s.managementIpAddress}:{s.managementPort}"
+        self.metrics_url = f"{scheme}://{s.managementIpAddress}:{s.metricsPort}"
+        self.timeout = timeout
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self) -> None:
+        from .server.runner import serve
+
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(serve(self.host, on_ready=self._ready.set))
+        except BaseException as exc:  # reported to the test thread
+            self._error = exc
+            self._ready.set()
+        finally:
+            loop.close()
+
+    def start(self) -> RunningServer:
+        self._thread = threading.Thread(target=self._run, name="mindie-test-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.timeout):
+            raise TimeoutError("server did not become ready")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        stop = self.host.state.get("stop_event")
+        loop = self._loop
+        if stop is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until no request is active and return the engine stats."""
+        deadline = time.monotonic() + timeout
+        stats = self.host.stats()
+        while time.monotonic() < deadline:
+            stats = self.host.stats()
+            if not stats.get("num_active_requests") and not stats.get("num_running") and not stats.get("num_waiting"):
+                return stats
+            time.sleep(0.05)
+        return stats
+
+    def __enter__(self) -> RunningServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

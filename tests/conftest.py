@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny random Llama (real tokenizer) and a real server on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama in HF format with the SmolLM2 tokenizer."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model: Path) -> Iterator[RunningServer]:
+    """One shared server on the tiny model, default config (FCFS, no plugins)."""
+    with RunningServer(server_config(tiny_model)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[RunningServer]:
+    """The default model (SmolLM2-135M-Instruct), shared by the slow tests."""
+    with RunningServer(server_config(None)) as server:
+        yield server
