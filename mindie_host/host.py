@@ -98,6 +98,8 @@ class Host:
         # never more than every running sequence at full length needs
         ceiling = sc.maxBatchSize * math.ceil(deploy.maxSeqLen / block_size) + 1
         num_blocks = int(min(num_blocks, ceiling))
+        if mc.maxKvBlocks:
+            num_blocks = min(num_blocks, mc.maxKvBlocks)
         if num_blocks * block_size < deploy.maxSeqLen:
             raise PluginError(
                 f"KV cache budget too small: {num_blocks} blocks of {block_size} tokens cannot hold one "

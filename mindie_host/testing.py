@@ -178,3 +178,40 @@ class RunningServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None) -> Any:
+    """A :class:`~mindie_host.host.Host` with the model loaded but no server and no worker thread.
+
+    Drive its engine synchronously with :func:`run_engine`.
+    """
+    from .host import Host
+
+    host = Host(config_from_dict(config))
+    for plugin, name in plugins or []:
+        host.plugins.register(plugin, name)
+    host.load()
+    return host
+
+
+def run_engine(host: Any, requests: list[Any], *, max_steps: int = 100_000) -> dict[str, Any]:
+    """Add ``requests`` (EngineRequest) to the host's engine, step until all finish, return final outputs by id.
+
+    Token ids and logprobs of every step are accumulated into the final output.
+    """
+    llm = host.llm
+    for req in requests:
+        llm.add_request(req)
+    finals: dict[str, Any] = {}
+    logprobs: dict[str, list[Any]] = {}
+    steps = 0
+    while llm.has_work():
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError("engine did not finish")
+        for out in llm.step():
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+            if out.finished:
+                out.logprobs = logprobs.pop(out.request_id, [])
+                finals[out.request_id] = out
+    return finals
