@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from . import hookimpl
 from .backends.base import ModelBackend, ModelInfo, ModelInput
-from .backends.platform import AttentionMetadata, Platform, select_platform
+from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
+from .backends.torch.backend import TorchBackend, resolve_dtype
+from .backends.torch.model import TorchLlama
 from .engine.kv_cache import KVCacheManager
 from .engine.policy import (
     SchedulerLimits,
@@ -20,11 +22,17 @@ from .engine.policy import (
 )
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .engine.sequence import SequenceView
-from .models.weights import LlamaArch, ModelSource, iter_weights, load_arch, resolve_model
+from .models.default import DEFAULT_MODEL_NAME, default_model_path
+from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, resolve_model
+from .server.tool_calls import HermesToolParser, JsonToolParser, ToolParser, make_call
 
 __all__ = [
+    "DEFAULT_MODEL_NAME",
     "AttentionMetadata",
+    "CudaPlatform",
     "EngineRequest",
+    "HermesToolParser",
+    "JsonToolParser",
     "KVCacheManager",
     "LlamaArch",
     "ModelBackend",
@@ -40,13 +48,20 @@ __all__ = [
     "SequenceView",
     "StepPlan",
     "TokenLogprob",
+    "TorchBackend",
+    "TorchLlama",
+    "ToolParser",
     "admit_prefills",
+    "count_tensors",
+    "default_model_path",
     "hookimpl",
     "iter_weights",
     "load_arch",
+    "make_call",
     "order_fcfs",
     "order_priority",
     "plan_standard",
+    "resolve_dtype",
     "resolve_model",
     "select_platform",
 ]

@@ -69,7 +69,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .logs import setup_logging
     from .server.runner import serve
 
-    config = build_config(args)
+    try:
+        config = build_config(args)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"mindie-host: {exc}", file=sys.stderr)
+        return 2
     setup_logging(config.LogConfig, to_stderr=True)
     for warning in config.warnings:
         logging.getLogger("mindie_host.config").warning(warning)

@@ -102,9 +102,10 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
 
     :param app: the FastAPI application of one plane.
     :param host: the running host; protocol modules call ``host.generate(...)``.
-    :param plane: ``"business"`` (inference port) or ``"management"``
-        (management port). Each builtin protocol module (openai, tgi, vllm,
-        triton, native, management) implements this. Not firstresult.
+    :param plane: ``"business"`` (inference port), ``"management"``
+        (management port) or ``"metrics"`` (``metricsPort``: Prometheus
+        ``/metrics``). Each builtin protocol module (openai, tgi, vllm,
+        triton, native, management, metrics) implements this. Not firstresult.
     """
 
 
@@ -123,6 +124,19 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
     """
 
 
+@hookspec
+def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
+    """Called when a request leaves the engine, whatever the cause.
+
+    :param request: the request as the engine ran it (``adapter``,
+        ``adapter_index`` ... as refined).
+    :param reason: ``"stop"``, ``"length"``, ``"abort"``, ``"timeout"`` or ``"error"``.
+    Called on the engine thread, once per request that reached the engine; keep
+    it cheap. Plugins use it to release per-request resources (``multi_lora``
+    unpins the request's adapter slot). Not firstresult; return value ignored.
+    """
+
+
 @hookspec(firstresult=True)
 def mindie_host_tool_call_parser(model_type: str, host: Host) -> Any | None:
     """Provide the tool-call parser for a model family.
@@ -131,7 +145,11 @@ def mindie_host_tool_call_parser(model_type: str, host: Host) -> Any | None:
     :param host: the running host.
     :return: an object with ``parse(text) -> list[dict] | None`` turning generated
         text into OpenAI ``tool_calls``; ``None`` to let another plugin answer.
-        firstresult.
+        It may also have ``content(text) -> str`` (text left beside the calls) and
+        ``might_be_call(prefix) -> bool`` (streams hold such text back); subclass
+        :class:`mindie_host.api.ToolParser` to get defaults for these and for the
+        prompt used when the chat template ignores ``tools``. Called once per
+        server (the result is cached); the builtins answer last. firstresult.
     """
 
 
@@ -151,6 +169,22 @@ def mindie_host_order_waiting(waiting: list[SequenceView], config: Config, now: 
         next implementation. firstresult; the builtin honours
         ``prefillPolicyType`` (0/1 FCFS, 2 priority) and ``policyType``
         (4 shortest job first, 5 longest job first).
+    """
+
+
+@hookspec
+def mindie_host_filter_waiting(waiting: list[SequenceView]) -> list[SequenceView] | None:
+    """Hold back waiting sequences that cannot run yet.
+
+    :param waiting: the ordered waiting queue of this step (do not mutate the
+        sequences).
+    :return: the subset of ``waiting`` that may be admitted now (order does not
+        matter), or ``None`` to allow all. The engine keeps only sequences every
+        implementation allows, and the planner sees only those. Called on the
+        engine thread once per step while the queue is non-empty, before
+        ``mindie_host_plan_step``; an implementation may bind resources to the
+        sequences it lets through (``multi_lora`` binds a resident adapter slot,
+        loading the adapter when a slot is free). Not firstresult.
     """
 
 

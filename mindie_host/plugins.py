@@ -28,7 +28,13 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.engine.builtin_policy",
     "mindie_host.backends.torch.plugin",
     "mindie_host.server.openai",
+    "mindie_host.server.tool_calls",
+    "mindie_host.server.tgi",
+    "mindie_host.server.vllm",
+    "mindie_host.server.triton",
+    "mindie_host.server.native",
     "mindie_host.server.management",
+    "mindie_host.server.metrics",
 )
 
 #: pip packages that provide the plugins we publish, for install hints.

@@ -292,3 +292,12 @@ def test_backend_error_fails_only_that_batch(tiny_model: Path) -> None:
     outs = run_engine(host, [EngineRequest("y", PROMPTS[0], greedy(4))])
     assert outs["y"].finish_reason == "length"
     assert host.llm.kv.num_used_blocks() == 0
+
+
+def test_min_tokens_bans_eos_until_reached(tiny_host) -> None:
+    eos = tiny_host.info.eos_token_ids[0]
+    req = EngineRequest("m", PROMPTS[0], SamplingParams(max_tokens=12, min_tokens=5))
+    req.logits_constraint = lambda out: [eos, 1000]
+    out = run_engine(tiny_host, [req])["m"]
+    assert out.token_ids[:5] == [1000] * 5
+    assert eos not in out.token_ids

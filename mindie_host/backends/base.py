@@ -99,6 +99,18 @@ class ModelBackend(abc.ABC):
         """Run one forward step, write the new tokens' KV, and return float32 logits
         of shape ``[len(batch.logits_indices), vocab_size]`` on the CPU or device."""
 
+    def set_lora(self, runtime: Any) -> bool:
+        """Hand the backend a LoRA runtime (the ``multi_lora`` plugin calls this at startup).
+
+        ``runtime`` provides ``prepare(batch: ModelInput)``, called once per step
+        before the forward pass when any ``batch.adapter_indices`` is >= 0, and
+        ``apply_qkv(layer, x, out)``, ``apply_o``, ``apply_gate_up`` and
+        ``apply_down``, each returning ``out`` (the base projection of ``x``) plus
+        every token's own adapter delta. Pass ``None`` to detach it.
+        :return: True if this backend applies LoRA runtimes; the default is False.
+        """
+        return False
+
     def warmup(self) -> None:  # noqa: B027 - optional hook
         """Run a throwaway step so the first request is not slow."""
 

@@ -147,9 +147,15 @@ class LLMEngine:
                 self._matched.add(seq.seq_id)
                 seq.num_computed = self.kv.match_prefix(seq)
                 seq.num_cached_tokens = seq.num_computed
+        waiting = list(self.waiting)
+        if waiting:
+            for allowed in self.hook.mindie_host_filter_waiting(waiting=list(waiting)):
+                if allowed is not None:
+                    keep = {s.seq_id for s in allowed}
+                    waiting = [s for s in waiting if s.seq_id in keep]
         state = SchedulerState(
             running=list(self.running),
-            waiting=list(self.waiting),
+            waiting=waiting,
             kv=self.kv,
             limits=self.scheduler_limits,
             config=self.config,
@@ -170,6 +176,8 @@ class LLMEngine:
                 continue
             n = min(n, seq.num_uncomputed)
             while not self.kv.can_allocate(seq, n):
+                if self._unmatch_waiting(exclude=seq):
+                    continue
                 victim = self._pick_victim(exclude=in_step | {seq.seq_id})
                 if victim is None:
                     break
@@ -190,6 +198,25 @@ class LLMEngine:
             done.append((seq, n))
             in_step.add(seq.seq_id)
         return StepPlan(done)  # type: ignore[arg-type]
+
+    def _unmatch_waiting(self, exclude: Sequence) -> bool:
+        """Release the cached-prefix blocks one waiting sequence holds since ``match_prefix``.
+
+        A KV manager that shares blocks (``prefix_cache``) pins them for waiting
+        sequences; when a sequence being scheduled needs room, those pins go first
+        (last in the queue first), before any running sequence is preempted. The
+        released sequence simply matches again on a later step. Returns False when
+        no waiting sequence holds blocks.
+        """
+        for seq in reversed(self.waiting):
+            if seq is exclude or seq.seq_id not in self._matched or not self.kv.block_table(seq):
+                continue
+            self.kv.free(seq)
+            seq.num_computed = 0
+            seq.num_cached_tokens = 0
+            self._matched.discard(seq.seq_id)
+            return True
+        return False
 
     def _pick_victim(self, exclude: set[int]) -> Sequence | None:
         candidates = [s for s in self.running if s.seq_id not in exclude]
@@ -278,6 +305,7 @@ class LLMEngine:
             [s.output_token_ids for s in to_sample] if any(p.needs_penalties for p in params) else [[]] * len(params),
             [s.generator for s in to_sample],
             allowed,
+            [self._banned_tokens(s) for s in to_sample],
         )
         now = time.monotonic()
         outputs = []
@@ -288,6 +316,16 @@ class LLMEngine:
             outputs.append(self._make_output(seq))
         self.counters["generation_tokens"] += len(to_sample)
         return outputs
+
+    def _banned_tokens(self, seq: Sequence) -> list[int] | None:
+        """EOS and stop tokens may not be sampled until ``min_tokens`` outputs exist."""
+        params = seq.request.sampling
+        if seq.num_output_tokens >= params.min_tokens:
+            return None
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.extend(self.eos_ids)
+        return banned or None
 
     def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
         """Logprob of each prompt token given the tokens before it (TGI ``decoder_input_details``)."""
@@ -366,6 +404,10 @@ class LLMEngine:
         self.counters[f"finished_{reason}"] += 1
         self.counters["prompt_tokens"] += seq.prompt_len
         self.by_request.pop(seq.request_id, None)
+        try:
+            self.hook.mindie_host_request_finished(request=seq.request, reason=reason)
+        except Exception:  # a plugin's bookkeeping must not take the engine down
+            log.exception("mindie_host_request_finished failed for %s", seq.request_id)
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
         """The increment since the last output of ``seq``; holds back text that may start a stop string."""
@@ -410,5 +452,6 @@ class LLMEngine:
             "num_waiting": float(len(self.waiting)),
         }
         s.update(self.kv.stats())
-        s.update({k: float(v) for k, v in self.counters.items()})
+        counters = dict(self.counters)  # one C-level copy: the engine thread may be counting meanwhile
+        s.update({k: float(v) for k, v in counters.items()})
         return s

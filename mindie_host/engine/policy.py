@@ -101,6 +101,9 @@ def admit_prefills(state: SchedulerState, token_budget: int, seq_budget: int) ->
 
     The first candidate is always taken if blocks allow, even when its prompt is
     larger than the token budget, so a long (recomputed) prompt cannot starve.
+    With nothing running it is taken even when the free count looks short: blocks
+    pinned by other waiting sequences' cached prefixes are released by the engine
+    to make room (and if room still cannot be made, the engine skips it).
     """
     picked: list[tuple[SequenceView, int]] = []
     free_blocks = state.kv.num_free_blocks()
@@ -112,7 +115,7 @@ def admit_prefills(state: SchedulerState, token_budget: int, seq_budget: int) ->
         if picked and n > token_budget:
             break
         need = state.kv.blocks_needed(seq, n)
-        if need > free_blocks - (reserve if state.running else 0):
+        if need > free_blocks - (reserve if state.running else 0) and (picked or state.running):
             break
         picked.append((seq, n))
         free_blocks -= need

@@ -84,14 +84,22 @@ class Sampler:
         outputs: list[list[int]],
         generators: list[torch.Generator | None],
         allowed: list[list[int] | None],
+        banned: list[list[int] | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Return the next token of every row, and its logprobs where requested."""
+        """Return the next token of every row, and its logprobs where requested.
+
+        ``allowed[i]`` restricts row ``i`` to those token ids; ``banned[i]`` forbids
+        some (EOS and stop tokens before ``min_tokens`` are reached).
+        """
+        banned = banned or [None] * len(params)
         logits = logits.float()
         rows = logits.shape[0]
         special = [
             i for i in range(rows)
-            if params[i].needs_penalties or allowed[i] is not None or not params[i].greedy
+            if params[i].needs_penalties or allowed[i] is not None or banned[i] or not params[i].greedy
         ]
+        if special and logits.is_inference():
+            logits = logits.clone()  # penalties and masks edit rows in place; inference tensors forbid that
         for i in special:
             p = params[i]
             if p.needs_penalties:
@@ -100,6 +108,8 @@ class Sampler:
                 mask = torch.full_like(logits[i], float("-inf"))
                 mask[torch.tensor(allowed[i], dtype=torch.long)] = 0.0
                 logits[i] += mask
+            if banned[i]:
+                logits[i, torch.tensor(banned[i], dtype=torch.long)] = float("-inf")
         tokens = logits.argmax(dim=-1).tolist()
         for i in special:
             p = params[i]

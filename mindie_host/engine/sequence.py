@@ -68,7 +68,6 @@ class Sequence:
         self.arrival_time = request.arrival_time
         self.num_preemptions = 0
         self.adapter = request.adapter
-        self.adapter_index = request.adapter_index
         self.cache_salt = request.cache_salt
         self.max_new_tokens = max_new_tokens
         self.status = SequenceStatus.WAITING
@@ -88,6 +87,12 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.aborted = False
+
+    @property
+    def adapter_index(self) -> int:
+        """The LoRA slot of this sequence (-1 = base). Read from the request each step, so a
+        plugin that binds a slot after the request was queued (``multi_lora``) is seen."""
+        return self.request.adapter_index
 
     @property
     def num_tokens(self) -> int:

@@ -1,30 +1,168 @@
-"""Management plane: health and readiness probes, JSON metrics, service stop."""
+"""Management plane (spec §4.3 and the Mgmt rows of §1, §3): probes, JSON metrics, config, status, stop.
+
+Routes (``managementIpAddress:managementPort``):
+
+* ``GET /health`` (TGI/vLLM), ``GET /v2/health/live``, ``GET /v2/health/ready``:
+  liveness answers 200 as soon as the listener is up; readiness answers 200 with an
+  empty body once the model is loaded and warmed up, 503 before that and while draining.
+* ``GET /health/timed`` and ``GET /health/timed-{TIMEOUT}``: runs a one-token
+  generation through the whole pipeline and answers ``{"status":"healthy"}`` if it
+  finishes within TIMEOUT seconds (integer in [1, 600], default 10), else 503.
+* ``GET /metrics-json``: rolling TTFT/TBT averages, queue depths, free KV blocks.
+* ``GET /v1/config``: the static config (``?full=true`` adds the whole config with
+  ``apiKey`` redacted). ``GET /v1/status``: role, free slots and blocks.
+* ``GET /stopService``: stops taking inference requests (503), waits for running
+  and queued ones (at most ``shutdownDrainSeconds``), then the process exits.
+
+``/v2/models/{m}/ready`` (Triton), ``getSlotCount`` (native) and ``/info`` (TGI)
+live in their protocol modules.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import re
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import hookimpl
-from .app import json_response
+from ..engine.request import RequestError, SamplingParams
+from .app import error_response, json_response
+from .metrics import metrics_json, read_stats
 
 if TYPE_CHECKING:
     from ..host import Host
 
+DEFAULT_PROBE_TIMEOUT = 10
+MAX_PROBE_TIMEOUT = 600
+REDACTED = "******"
+SECRET_KEYS = ("apiKey",)
+
+
+def not_ready_reason(host: Host) -> str | None:
+    """Why the server is not ready, or None when it is."""
+    if host.draining:
+        return "The service has been stopped."
+    if not host.ready:
+        return "The service is not ready: the model is still loading."
+    engine = host.engine
+    if engine is not None and getattr(engine, "dead", None):
+        return f"The engine has stopped: {engine.dead}"
+    return None
+
+
+def parse_probe_timeout(text: str | None) -> int:
+    """``TIMEOUT`` of ``/health/timed-TIMEOUT``: an integer in [1, 600]; 10 when absent."""
+    if text is None:
+        return DEFAULT_PROBE_TIMEOUT
+    if not re.fullmatch(r"[0-9]{1,4}", text) or not 1 <= int(text) <= MAX_PROBE_TIMEOUT:
+        raise RequestError(
+            f"TIMEOUT must be an integer in [1, {MAX_PROBE_TIMEOUT}] seconds, got {text!r}",
+            status=400, field="TIMEOUT",
+        )
+    return int(text)
+
+
+async def probe_pipeline(host: Host, timeout: float) -> str | None:
+    """Generate one token end to end; returns an error message, or None when healthy."""
+    reason = not_ready_reason(host)
+    if reason:
+        return reason
+    token = getattr(host.tokenizer, "bos_token_id", None)
+    if token is None:
+        token = 0
+    try:
+        req = host.new_request(
+            protocol="health", body={}, sampling=SamplingParams(max_tokens=1), prompt_token_ids=[int(token)],
+            request_id=host.new_request_id("health_timed"), timeout=float(timeout),
+        )
+        out = await asyncio.wait_for(host.generate_full(req), timeout)
+    except asyncio.TimeoutError:
+        return f"the probe request did not finish within {timeout} s"
+    except RequestError as exc:
+        return exc.message
+    except Exception as exc:  # the probe reports any failure instead of raising
+        return f"{type(exc).__name__}: {exc}"
+    if out.finish_reason in ("error", "timeout", "abort"):
+        return out.error or f"the probe request ended with {out.finish_reason}"
+    return None
+
+
+def static_config(host: Host, full: bool = False) -> dict[str, Any]:
+    """``/v1/config`` (spec §3.4), optionally with the whole config (secrets redacted)."""
+    mc = host.model_config
+    body: dict[str, Any] = {
+        "modelName": host.model_name,
+        "maxSeqLen": host.config.deploy.maxSeqLen,
+        "npuMemSize": mc.npuMemSize,
+        "cpuMemSize": mc.cpuMemSize,
+        "worldSize": mc.worldSize,
+        "maxOutputLen": host.config.schedule.maxIterTimes,
+        "cacheBlockSize": host.config.schedule.cacheBlockSize,
+    }
+    if full:
+        data = host.config.to_dict()
+        server = data.get("ServerConfig", {})
+        for key in SECRET_KEYS:
+            if server.get(key):
+                server[key] = REDACTED
+        body["config"] = data
+    return body
+
+
+def dynamic_status(host: Host) -> dict[str, Any]:
+    """``/v1/status`` (spec §3.5) for a mixed (non-PD) deployment."""
+    stats = read_stats(host)
+    free_slots = max(0, host.config.schedule.maxBatchSize - int(stats.get("num_running", 0)))
+    role = host.state.get("pd_role")
+    status: dict[str, Any] = {
+        "service": {
+            "roleStatus": "RoleReady" if host.ready else "RoleUnknown",
+            "currentRole": role if (role and host.ready) else "none",
+        },
+        "resource": {"availSlotsNum": free_slots, "availBlockNum": int(stats.get("kv_blocks_free", 0))},
+    }
+    peers = host.state.get("pd_peers")
+    if peers:
+        status["peers"] = list(peers)
+    return status
+
+
+def request_stop(host: Host) -> bool:
+    """Refuse new inference requests and wake the runner's graceful stop; False if nothing is listening."""
+    host.draining = True
+    stop = host.state.get("stop_event")
+    if stop is None:
+        return False
+    loop = host.state.get("loop")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is not None and loop is not running:
+        loop.call_soon_threadsafe(stop.set)
+    else:
+        stop.set()
+    return True
+
 
 @hookimpl
 def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+    """Register the management routes."""
     if plane != "management":
         return
 
-    def ready_response() -> Response:
-        return Response(status_code=200 if host.ready and not host.draining else 503)
+    def readiness() -> Response:
+        reason = not_ready_reason(host)
+        if reason is None:
+            return Response(status_code=200)
+        return error_response(RequestError(reason, status=503))
 
     @app.get("/health")
     async def health() -> Response:
-        return ready_response()
+        return readiness()
 
     @app.get("/v2/health/live")
     async def live() -> Response:
@@ -32,15 +170,38 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
 
     @app.get("/v2/health/ready")
     async def ready() -> Response:
-        return ready_response()
+        return readiness()
+
+    async def timed(timeout_text: str | None) -> Response:
+        timeout = parse_probe_timeout(timeout_text)
+        problem = await probe_pipeline(host, timeout)
+        if problem is None:
+            return json_response({"status": "healthy"})
+        return json_response({"status": "unhealthy", "error": problem}, status=503)
+
+    @app.get("/health/timed")
+    async def health_timed() -> Response:
+        return await timed(None)
+
+    @app.get("/health/timed-{timeout}")
+    async def health_timed_n(timeout: str) -> Response:
+        return await timed(timeout)
 
     @app.get("/metrics-json")
-    async def metrics_json() -> Response:
-        return json_response(host.stats())
+    async def metrics_json_route() -> Response:
+        s = host.config.server
+        return json_response(metrics_json(host, f"{s.managementIpAddress}:{s.managementPort}"))
+
+    @app.get("/v1/config")
+    async def v1_config(request: Request) -> Response:
+        full = request.query_params.get("full", "").lower() in ("1", "true", "yes")
+        return json_response(static_config(host, full))
+
+    @app.get("/v1/status")
+    async def v1_status() -> Response:
+        return json_response(dynamic_status(host))
 
     @app.get("/stopService")
     async def stop_service() -> Response:
-        stop = host.state.get("stop_event")
-        if stop is not None:
-            stop.set()
-        return json_response({"status": "stopping"})
+        request_stop(host)
+        return Response(status_code=200)

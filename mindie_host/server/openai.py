@@ -23,6 +23,7 @@ from .. import hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
 from .params import build_sampling
+from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_seed, check_text_size
 
 if TYPE_CHECKING:
@@ -57,6 +58,19 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+
+
+#: Fields the plain variant also accepts as ``null`` (the spec's example sends ``"seed": null``;
+#: ``stop``/``stop_token_ids`` default to null, ``tool_choice`` is nullable) plus our extensions.
+PLAIN_NULLABLE = ("seed", "stop", "stop_token_ids", "tools", "tool_choice", "n", "logprobs", "top_logprobs",
+                  "stream_options", "max_completion_tokens", "min_p", "min_tokens", "user", "response_format")
+
+
+def make_fields(host: Host, body: dict[str, Any]) -> Fields:
+    """``Fields`` with the variant's null rule: every optional field nullable (vllm) or only some (plain)."""
+    if host.config.server.openAiSupport == "vllm":
+        return Fields(body, nullable=True)
+    return Fields({k: v for k, v in body.items() if not (v is None and k in PLAIN_NULLABLE)})
 
 
 def resolve_model(host: Host, fields: Fields) -> str:
@@ -184,6 +198,10 @@ def validate_tool_calls(calls: Any, name: str) -> list[dict[str, Any]]:
     if not isinstance(calls, list):
         raise RequestError(f"{name} must be a list", field=name)
     for k, call in enumerate(calls):
+        if isinstance(call, dict) and not isinstance(call.get("id"), str):
+            raise RequestError(f"{name}[{k}].id must be a string", field=f"{name}[{k}].id")
+        if isinstance(call, dict) and call.get("type", "function") != "function":
+            raise RequestError(f"{name}[{k}].type must be 'function'", field=f"{name}[{k}].type")
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise RequestError(f"{name}[{k}].function needs string name and arguments", field=f"{name}[{k}].function")
@@ -282,27 +300,32 @@ class OpenAIServer:
         host = self.host
         try:
             body = await read_json(request, host)
-            nullable = host.config.server.openAiSupport == "vllm"
-            f = Fields(body, nullable=nullable)
+            f = make_fields(host, body)
             parsed = parse_common(host, f, chat=True)
             messages = chat_messages(f)
-            tools = f.raw("tools")
-            prompt = host.apply_chat_template(messages, tools=tools if tools else None)
+            plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"))
+            messages, tools = plan.prepare(messages, getattr(host.tokenizer, "chat_template", None) or "")
+            prompt = host.apply_chat_template(messages, tools=tools)
             check_text_size(prompt, "messages")
             base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
             reqs = self.make_requests(body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id)
+            if plan.constrained:
+                await asyncio.to_thread(vocab_for, host)  # built once per tokenizer, off the event loop
+                for req in reqs:
+                    req.logits_constraint = plan.constraint(host)
             created = int(time.time())
             if parsed.stream:
-                return streaming_response(self._chat_stream(reqs, parsed, base_id, created))
+                return streaming_response(self._chat_stream(reqs, parsed, base_id, created, plan))
             outs = await until_disconnect(request, asyncio.gather(*(host.generate_full(r) for r in reqs)))
             choices = []
             for i, out in enumerate(outs):
                 raise_for_failure(out)
+                content, calls, reason = plan.finish(out.text, finish_reason(out))
                 choice: dict[str, Any] = {
                     "index": i,
-                    "message": {"role": "assistant", "content": out.text, "tool_calls": None},
+                    "message": {"role": "assistant", "content": content, "tool_calls": calls},
                     "logprobs": chat_logprobs(host, out.logprobs) if parsed.logprobs is not None else None,
-                    "finish_reason": finish_reason(out),
+                    "finish_reason": reason,
                 }
                 if out.stop_reason is not None:
                     choice["stop_reason"] = out.stop_reason
@@ -353,14 +376,18 @@ class OpenAIServer:
                 t.cancel()
 
     async def _chat_stream(self, reqs: list[EngineRequest], parsed: ParsedRequest, base_id: str,
-                           created: int) -> AsyncIterator[bytes]:
+                           created: int, plan: ToolPlan) -> AsyncIterator[bytes]:
         full_text = self.host.config.server.fullTextEnabled
         totals = [0] * len(reqs)
         prompt_tokens = len(reqs[0].prompt_token_ids)
+        tool_streams = [ToolStream(plan) for _ in reqs]
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             return sse_event({"id": base_id, "object": "chat.completion.chunk", "created": created,
                               "model": parsed.model, **extra, "choices": choices})
+
+        def choice(i: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None) -> dict[str, Any]:
+            return {"index": i, "delta": {"role": "assistant", **delta}, "logprobs": logprobs, "finish_reason": reason}
 
         try:
             async for i, out in self._merged(reqs):
@@ -369,20 +396,30 @@ class OpenAIServer:
                     yield sse_event(openai_error_body(err))
                     break
                 totals[i] = len(out.token_ids)
-                content = out.text if full_text else out.new_text
                 if not out.finished and not out.new_text:
                     continue
-                choice: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": content},
-                                          "logprobs": None, "finish_reason": None}
-                if parsed.logprobs is not None and out.logprobs:
-                    choice["logprobs"] = chat_logprobs(self.host, out.logprobs)
+                logprobs = chat_logprobs(self.host, out.logprobs) if parsed.logprobs is not None and out.logprobs \
+                    else None
+                ts = tool_streams[i]
+                if not out.finished:
+                    for delta in ts.feed(out.new_text):
+                        if full_text and "content" in delta and ts.streaming:
+                            delta = {"content": out.text}
+                        yield chunk([choice(i, delta, logprobs)])
+                        logprobs = None
+                    continue
+                deltas, reason = ts.finish(out.new_text, out.text, finish_reason(out))
+                if full_text and ts.streaming:
+                    deltas = [{"content": out.text}]
+                for delta in deltas[:-1]:
+                    yield chunk([choice(i, delta, logprobs)])
+                    logprobs = None
                 extra: dict[str, Any] = {}
-                if out.finished:
-                    choice["finish_reason"] = finish_reason(out)
-                    if full_text:
-                        extra["full_text"] = out.text
-                    extra["usage"] = usage(prompt_tokens, totals[i])
-                yield chunk([choice], **extra)
+                if full_text:
+                    extra["full_text"] = out.text
+                extra["usage"] = usage(prompt_tokens, totals[i])
+                last = deltas[-1] if deltas else {"content": ""}
+                yield chunk([choice(i, last, logprobs, reason)], **extra)
             if parsed.include_usage:
                 yield chunk([], usage=usage(prompt_tokens, sum(totals)))
             yield b"data: [DONE]\n\n"
@@ -394,7 +431,7 @@ class OpenAIServer:
         host = self.host
         try:
             body = await read_json(request, host)
-            f = Fields(body, nullable=host.config.server.openAiSupport == "vllm")
+            f = make_fields(host, body)
             parsed = parse_common(host, f, chat=False)
             prompts = completion_prompts(f.raw("prompt"))
             echo = bool(f.bool("echo", False))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from .app import create_app
+from .security import BusinessGuard, LinkGate, check_bind_addresses, tls_options
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -56,7 +57,7 @@ def plan_listeners(host: Host) -> list[Listener]:
     tls = getattr(host, "tls_options", None)
     out = []
     for (ip, port), planes in addrs.items():
-        ssl = tls(tuple(planes)) if callable(tls) else {}
+        ssl = tls(tuple(planes)) if callable(tls) else tls_options(host.config, tuple(planes))
         out.append(Listener(ip, port, tuple(planes), ssl))
     return out
 
@@ -64,17 +65,41 @@ def plan_listeners(host: Host) -> list[Listener]:
 def build_app(host: Host, planes: tuple[str, ...]) -> FastAPI:
     """One app serving several planes' routes (when they share an address)."""
     app = create_app(host, planes[0])
+    app.state.business_routes = list(app.routes) if planes[0] == "business" else []
     for plane in planes[1:]:
         host.plugins.hook.mindie_host_add_routes(app=app, host=host, plane=plane)
     return app
 
 
+def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
+    """Wrap a listener's app with request ids, and on business routes the API key, body cap and maxLinkNum."""
+    gate = None
+    if "business" in planes:
+        gate = host.state.get("link_gate")
+        if gate is None:
+            gate = host.state["link_gate"] = LinkGate(host.config.server.maxLinkNum)
+    business = {id(r) for r in getattr(app.state, "business_routes", [])}
+
+    def is_business(scope: Any) -> bool:
+        if "business" not in planes:
+            return False
+        if len(planes) == 1:
+            return True
+        from starlette.routing import Match
+
+        # routes of the other planes sharing this port (read per request: plugins may add routes later)
+        return not any(id(r) not in business and r.matches(scope)[0] == Match.FULL for r in app.routes)
+
+    return BusinessGuard(app, host.config, gate, is_business, ready=lambda: host.ready or host.draining)
+
+
 async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None) -> None:
     """Run every listener until SIGTERM/SIGINT (or ``host.request_stop``)."""
     host.plugins.enable_from_config(host.config)
+    check_bind_addresses(host.config)
     servers: list[_Server] = []
     for listener in plan_listeners(host):
-        app = build_app(host, listener.planes)
+        app = guard(host, build_app(host, listener.planes), listener.planes)
         cfg = uvicorn.Config(
             app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=5, **listener.ssl,
@@ -112,6 +137,11 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         await stop.wait()
         log.info("stopping: draining %d in-flight requests", host.engine.num_active if host.engine else 0)
         await drain(host, host.config.server.shutdownDrainSeconds)
+        if host.engine is not None and host.engine.num_active:
+            # drain timed out: end what is left with "The service has been stopped." before the sockets close
+            log.warning("drain timed out after %g s: ending %d requests", host.config.server.shutdownDrainSeconds,
+                        host.engine.num_active)
+            await asyncio.to_thread(host.engine.stop)
     finally:
         for srv in servers:
             srv.should_exit = True

@@ -115,6 +115,11 @@ class TorchBackend(ModelBackend):
             lora.prepare(batch)
         return self.model.forward(batch, meta, self.kv_caches, lora)
 
+    def set_lora(self, runtime: Any) -> bool:
+        """Use ``runtime`` for every step that has a sequence on an adapter (see :meth:`ModelBackend.set_lora`)."""
+        self.lora = runtime
+        return True
+
     def warmup(self) -> None:
         if not self.kv_caches:
             return

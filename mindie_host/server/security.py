@@ -1,0 +1,373 @@
+"""TLS, the optional API key, connection limits and request bookkeeping for the listeners.
+
+TLS (``httpsEnabled``):
+
+* the business listener uses ``tlsCert``/``tlsPk``/``tlsPkPwd``, CA files
+  ``tlsCaPath``+``tlsCaFile`` and CRLs ``tlsCrlPath``+``tlsCrlFiles``;
+* the management and metrics listeners use the ``managementTls*`` set (CA files
+  under ``tlsCaPath`` as in MindIE) when ``managementIpAddress`` differs from
+  ``ipAddress``, and the business set otherwise;
+* CA files present => mutual TLS (clients must show a certificate the CA signed);
+  CRL files present => revoked client certificates are refused;
+* relative paths are under ``MIES_INSTALL_PATH`` when set, else under the config
+  file's directory, else the working directory; absolute paths are used as is;
+* an RSA server key shorter than 3072 bits is refused (the spec's rule);
+* ``tlsPkPwd`` names a file holding the key's password in plain text (MindIE keeps
+  it KMC-encrypted; this host has no KMC, ``kmcKsf*`` are accepted and ignored).
+
+Business-plane requests pass through :class:`BusinessGuard`, a plain ASGI wrapper:
+request id and access log, ``apiKey`` bearer check (401), body cap
+``maxRequestBodyBytes`` for bodies without ``Content-Length`` (413), and
+``maxLinkNum``: at most ``maxLinkNum`` requests in progress, ``2*maxLinkNum`` more
+wait for a slot, and any further request is refused at once with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..logs import bind_request_id, reset_request_id
+
+if TYPE_CHECKING:
+    from ..config import Config, ServerConfig
+
+log = logging.getLogger("mindie_host.server")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+MIN_RSA_BITS = 3072
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class TLSConfigError(RuntimeError):
+    """A certificate, key, CA or CRL file named by the config is missing or unusable."""
+
+
+# -- TLS ---------------------------------------------------------------------------------------------
+def security_base(config: Config) -> Path:
+    """The directory relative TLS paths start from (see the module docstring)."""
+    install = os.environ.get("MIES_INSTALL_PATH")
+    if install:
+        return Path(install)
+    if config.source_path:
+        return Path(config.source_path).resolve().parent
+    return Path.cwd()
+
+
+def resolve(base: Path, *parts: str) -> Path:
+    """Join ``parts`` under ``base``; an absolute part restarts the path."""
+    path = base
+    for part in parts:
+        path = path / Path(part).expanduser()
+    return path
+
+
+def check_bind_addresses(config: Config) -> None:
+    """Refuse 0.0.0.0 unless ``allowAllZeroIpListening`` (config validation does this too)."""
+    s = config.server
+    for key in ("ipAddress", "managementIpAddress"):
+        if getattr(s, key) == "0.0.0.0" and not s.allowAllZeroIpListening:
+            raise RuntimeError(
+                f"ServerConfig.{key} is 0.0.0.0, which listens on every interface; "
+                "set ServerConfig.allowAllZeroIpListening to true to allow it"
+            )
+
+
+def _files(base: Path, directory: str, names: list[str]) -> list[Path]:
+    return [resolve(base, directory, name) for name in names if name]
+
+
+def _read_password(path: Path | None) -> str | None:
+    if path is None or not path.is_file():
+        return None
+    return path.read_text(encoding="utf-8").strip() or None
+
+
+def _check_key_strength(key_path: Path, password: str | None) -> None:
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+    except ImportError:  # optional: without it the key length is not checked
+        log.warning("the 'cryptography' package is not installed; the server key length is not checked")
+        return
+    try:
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password.encode() if password else None)
+    except (TypeError, ValueError) as exc:
+        raise TLSConfigError(f"cannot read private key {key_path}: {exc} (is the password file right?)") from exc
+    if isinstance(key, rsa.RSAPrivateKey) and key.key_size < MIN_RSA_BITS:
+        raise TLSConfigError(
+            f"private key {key_path} is RSA-{key.key_size}; the server key must be at least RSA-{MIN_RSA_BITS} "
+            "(or an EC key)"
+        )
+
+
+def build_ssl_context(
+    cert: Path, key: Path, password_file: Path | None, ca_files: list[Path], crl_files: list[Path], what: str
+) -> ssl.SSLContext:
+    """A server-side context: our cert and key, client certificates required if CA files are given."""
+    for path, name in ((cert, "certificate"), (key, "private key")):
+        if not path.is_file():
+            raise TLSConfigError(f"{what}: TLS {name} {path} does not exist")
+    password = _read_password(password_file)
+    _check_key_strength(key, password)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(cert), str(key), password=password)
+    except ssl.SSLError as exc:
+        raise TLSConfigError(f"{what}: cannot load {cert} with {key}: {exc}") from exc
+    cas = [p for p in ca_files if p.is_file()]
+    missing = [p for p in ca_files if not p.is_file()]
+    if missing:
+        raise TLSConfigError(f"{what}: CA file(s) not found: {', '.join(map(str, missing))}")
+    for ca in cas:
+        ctx.load_verify_locations(cafile=str(ca))
+    if cas:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        crls = [p for p in crl_files if p.is_file()]
+        for crl in crls:
+            ctx.load_verify_locations(cafile=str(crl))
+        if crls:
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        elif crl_files:
+            log.info("%s: no CRL file found (%s); revocation is not checked", what, ", ".join(map(str, crl_files)))
+    return ctx
+
+
+def plane_ssl_context(config: Config, planes: tuple[str, ...]) -> ssl.SSLContext | None:
+    """The SSL context for a listener serving ``planes``, or None when HTTPS is off."""
+    s: ServerConfig = config.server
+    if not s.httpsEnabled:
+        return None
+    base = security_base(config)
+    separate = "business" not in planes and s.managementIpAddress != s.ipAddress
+    if separate:
+        return build_ssl_context(
+            cert=resolve(base, s.managementTlsCert),
+            key=resolve(base, s.managementTlsPk),
+            password_file=resolve(base, s.managementTlsPkPwd) if s.managementTlsPkPwd else None,
+            ca_files=_files(base, s.tlsCaPath, s.managementTlsCaFile),
+            crl_files=_files(base, s.managementTlsCrlPath, s.managementTlsCrlFiles),
+            what="management plane",
+        )
+    return build_ssl_context(
+        cert=resolve(base, s.tlsCert),
+        key=resolve(base, s.tlsPk),
+        password_file=resolve(base, s.tlsPkPwd) if s.tlsPkPwd else None,
+        ca_files=_files(base, s.tlsCaPath, s.tlsCaFile),
+        crl_files=_files(base, s.tlsCrlPath, s.tlsCrlFiles),
+        what="business plane" if "business" in planes else "management plane",
+    )
+
+
+def tls_options(config: Config, planes: tuple[str, ...]) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments for a listener (empty when HTTPS is off).
+
+    The context is built here, so a bad certificate fails before anything listens.
+    """
+    ctx = plane_ssl_context(config, planes)
+    if ctx is None:
+        return {}
+    import inspect
+
+    import uvicorn
+
+    if "ssl_context_factory" not in inspect.signature(uvicorn.Config.__init__).parameters:
+        raise TLSConfigError("HTTPS needs a uvicorn whose Config takes ssl_context_factory; pip install -U uvicorn")
+    return {"ssl_context_factory": lambda _config, _default: ctx}
+
+
+# -- connection limits ------------------------------------------------------------------------------
+class LinkGate:
+    """``maxLinkNum`` in progress, ``queue_factor * maxLinkNum`` waiting, the rest refused."""
+
+    def __init__(self, limit: int, queue_factor: int = 2) -> None:
+        self.limit = limit
+        self.queue_limit = queue_factor * limit
+        self.active = 0
+        self.waiting = 0
+        self.rejected = 0
+        self._sem: asyncio.Semaphore | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.limit)
+        return self._sem
+
+    def try_enter(self) -> bool:
+        """False when both the processing slots and the queue are full."""
+        if self.active + self.waiting >= self.limit + self.queue_limit:
+            self.rejected += 1
+            return False
+        self.waiting += 1
+        return True
+
+    async def acquire(self) -> None:
+        """Wait for a processing slot (after :meth:`try_enter`)."""
+        try:
+            await self._semaphore().acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+        self._semaphore().release()
+
+    def rejection_message(self) -> str:
+        return (
+            f"Too many requests: {self.limit} are being processed and {self.queue_limit} are queued "
+            f"(ServerConfig.maxLinkNum = {self.limit}); retry later."
+        )
+
+
+# -- the ASGI wrapper ---------------------------------------------------------------------------------
+async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+    })
+    await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class BusinessGuard:
+    """Wraps a listener's app: request ids and access log everywhere; on business routes the API key,
+    the body cap and ``maxLinkNum``.
+
+    ``is_business(scope)`` tells business routes from management ones when planes share a port.
+    """
+
+    def __init__(self, app: ASGIApp, config: Config, gate: LinkGate | None,
+                 is_business: Callable[[Scope], bool], ready: Callable[[], bool] = lambda: True) -> None:
+        self.app = app
+        self.config = config
+        self.gate = gate
+        self.is_business = is_business
+        self.ready = ready
+        self.api_key = config.server.apiKey.encode() if config.server.apiKey else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = (_header(scope, REQUEST_ID_HEADER.encode()) or uuid.uuid4().hex)[:128]
+        token = bind_request_id(rid)
+        started = time.perf_counter()
+        status_box = [0]
+        rid_header = (REQUEST_ID_HEADER.encode(), rid.encode("latin-1", "replace"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        business = self.is_business(scope)
+        try:
+            if business:
+                await self._business(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            # method, path, status and timing only: never a body (no prompt text in the logs)
+            log.log(logging.INFO if business else logging.DEBUG, "%s %s -> %s (%.3f s)", scope.get("method"),
+                    scope.get("path"), status_box[0] or "aborted", time.perf_counter() - started)
+            reset_request_id(token)
+
+    async def _business(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is not None and not self._authorized(scope):
+            await _send_json(send, 401, {"type": "Unauthorized", "error": "missing or invalid API key: send "
+                                         "'Authorization: Bearer <ServerConfig.apiKey>'"},
+                             [(b"www-authenticate", b"Bearer")])
+            return
+        if scope.get("method") == "POST" and not self.ready():
+            await _send_json(send, 503, {"type": "Service Unavailable",
+                                         "error": "The service is not ready: the model is still loading."}, [])
+            return
+        limit = self.config.server.maxRequestBodyBytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body of {declared} bytes "
+                                         f"exceeds the {limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
+                                         "field": "body"}, [])
+            return
+        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            buffered = await self._buffer_body(receive, limit)
+            if buffered is None:
+                await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body exceeds the "
+                                             f"{limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
+                                             "field": "body"}, [])
+                return
+            receive = _replay(buffered, receive)
+        gate = self.gate
+        if gate is None:
+            await self.app(scope, receive, send)
+            return
+        if not gate.try_enter():
+            log.warning("rejected: %s", gate.rejection_message())
+            await _send_json(send, 503, {"type": "Service Unavailable", "error": gate.rejection_message()},
+                             [(b"retry-after", b"1")])
+            return
+        await gate.acquire()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            gate.release()
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(value.strip().encode(), self.api_key)
+
+    @staticmethod
+    async def _buffer_body(receive: Receive, limit: int) -> list[Message] | None:
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > limit:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay

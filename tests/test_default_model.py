@@ -1,0 +1,75 @@
+"""The default model (SmolLM2-135M-Instruct GGUF): served with no arguments, and identical to HF transformers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from mindie_host.api import EngineRequest, SamplingParams
+from mindie_host.models.default import default_model_path
+from mindie_host.testing import free_port, loaded_host, run_engine, server_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_with_no_arguments_answers_paris(tmp_path) -> None:
+    """`mindie-host serve` (only ports changed, so tests can run side by side) answers with Paris."""
+    port, mport, xport = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mindie_host.cli", "serve", "--port", str(port), "--management-port", str(mport),
+         "--metrics-port", str(xport)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ},
+    )
+    try:
+        deadline = time.time() + 240
+        ready = False
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"http://127.0.0.2:{mport}/v2/health/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                ready = False
+            if ready:
+                break
+            time.sleep(0.5)
+        assert ready, "server did not become ready"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 30, "temperature": 0,
+        })
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+    assert b"loading weights" in out  # model loading shows progress
+
+
+def test_greedy_matches_transformers_on_default_model() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    host = loaded_host(server_config(None))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
+    for i, q in enumerate(questions):
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=None, min_new_tokens=16, pad_token_id=0)[0, len(ids):].tolist()
+        out = run_engine(host, [EngineRequest(f"q{i}", ids, SamplingParams(max_tokens=16, ignore_eos=True))])[f"q{i}"]
+        assert out.token_ids == ref, q
