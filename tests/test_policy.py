@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mindie_host.api import EngineRequest, KVCacheManager, SamplingParams, SchedulerLimits, SchedulerState, plan_standard
+from mindie_host.api import (
+    EngineRequest,
+    KVCacheManager,
+    SamplingParams,
+    SchedulerLimits,
+    SchedulerState,
+    plan_standard,
+)
 from mindie_host.cli import build_config, parser
 from mindie_host.config import config_from_dict, default_config_dict
 from mindie_host.engine.builtin_policy import mindie_host_order_waiting

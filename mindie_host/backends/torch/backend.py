@@ -98,7 +98,7 @@ class TorchBackend(ModelBackend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.arch is not None
-        shape = (num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = self.platform.kv_cache_shape(num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
@@ -109,7 +109,7 @@ class TorchBackend(ModelBackend):
     # -- forward -----------------------------------------------------------------------------
     def execute(self, batch: ModelInput) -> torch.Tensor:
         assert self.model is not None
-        meta = self.model.build_metadata(batch, self.block_size)
+        meta = self.platform.prepare_step(self.model.build_metadata(batch, self.block_size), batch, self.block_size)
         lora = self.lora if self.lora is not None and any(i >= 0 for i in batch.adapter_indices) else None
         if lora is not None:
             lora.prepare(batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +25,12 @@ class LayerWeights:
     """One decoder layer's tensors."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Any  # weights as made by Platform.prepare_linear
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Any
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Any
+    down: Any
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
@@ -83,17 +84,19 @@ class TorchLlama:
             bias = None
             if p + "self_attn.q_proj.bias" in weights:
                 bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0)
+            prep = platform.prepare_linear
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv.contiguous(),
+                    qkv=prep(qkv.contiguous()),
                     qkv_bias=bias,
-                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    o_proj=prep(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=prep(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous()),
+                    down=prep(take(p + "mlp.down_proj.weight")),
                 )
             )
+        self.lm_head_linear = platform.prepare_linear(self.lm_head)
         max_pos = arch.max_position_embeddings
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(arch))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -167,7 +170,7 @@ class TorchLlama:
         n = ids.shape[0]
         for li, layer in enumerate(self.layers):
             h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = plat.linear(h, layer.qkv, layer.qkv_bias)
             if lora is not None:
                 qkv = lora.apply_qkv(li, h, qkv)  # type: ignore[attr-defined]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -178,20 +181,20 @@ class TorchLlama:
             k_cache, v_cache = kv_caches[li]
             plat.write_kv(k_cache, v_cache, k, v, meta)
             attn = plat.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(n, self.q_size)
-            o = F.linear(attn, layer.o_proj)
+            o = plat.linear(attn, layer.o_proj)
             if lora is not None:
                 o = lora.apply_o(li, attn, o)  # type: ignore[attr-defined]
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
-            gu = F.linear(h, layer.gate_up)
+            gu = plat.linear(h, layer.gate_up)
             if lora is not None:
                 gu = lora.apply_gate_up(li, h, gu)  # type: ignore[attr-defined]
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            d = F.linear(act, layer.down)
+            d = plat.linear(act, layer.down)
             if lora is not None:
                 d = lora.apply_down(li, act, d)  # type: ignore[attr-defined]
             x = x + d
         idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
         x = plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return plat.linear(x, self.lm_head_linear).float()
