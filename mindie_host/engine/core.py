@@ -176,7 +176,7 @@ class LLMEngine:
                 continue
             n = min(n, seq.num_uncomputed)
             while not self.kv.can_allocate(seq, n):
-                if False and self._unmatch_waiting(exclude=seq):
+                if self._unmatch_waiting(exclude=seq):
                     continue
                 victim = self._pick_victim(exclude=in_step | {seq.seq_id})
                 if victim is None:

@@ -1,0 +1,61 @@
+"""mindie-host plugin ``splitfuse``: MindIE's ``Mix`` template with prompt splitting (MindIE §7.6).
+
+Enabled per model, as in MindIE::
+
+    "ModelConfig": [{"plugin_params": "{\\"plugin_type\\":\\"splitfuse\\"}", ...}]
+    "ScheduleConfig": {"templateType": "Mix", "enableSplit": true, "splitChunkTokens": 256,
+                       "splitStartBatchSize": 16, "splitType": false, "splitStartType": false, ...}
+
+``templateType`` must be ``"Mix"`` when the plugin is enabled (startup is refused
+otherwise, naming the key). ``enableSplit: false`` gives ``Mix`` without
+splitting: prefills and decodes still share steps, but prompts are never cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindie_host import hookimpl
+from mindie_host.api import SchedulerState, StepPlan
+
+from .planner import may_split, plan_mix, split_active
+
+__all__ = ["PLUGIN_NAME", "is_enabled", "may_split", "plan_mix", "split_active"]
+
+PLUGIN_NAME = "splitfuse"
+
+
+def is_enabled(config: Any) -> bool:
+    """True when the first model lists ``splitfuse`` in ``plugin_params`` and ``templateType`` is ``Mix``."""
+    return PLUGIN_NAME in config.model.plugins and config.schedule.templateType == "Mix"
+
+
+@hookimpl
+def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
+    """``templateType`` must be ``Mix``; the split keys must be consistent with the batch size."""
+    if PLUGIN_NAME not in model_config.plugins:
+        return []
+    sch = config.schedule
+    errors: list[str] = []
+    prefix = "BackendConfig.ScheduleConfig"
+    if sch.templateType != "Mix":
+        errors.append(
+            f"{prefix}.templateType is {sch.templateType!r} but ModelConfig.plugin_params enables 'splitfuse'; "
+            f"allowed: \"Mix\" (SplitFuse batches prefill and decode together) or remove splitfuse from plugin_type"
+        )
+    if sch.splitStartBatchSize > sch.maxBatchSize:
+        errors.append(
+            f"{prefix}.splitStartBatchSize is {sch.splitStartBatchSize}; allowed: an integer in "
+            f"[0, {sch.maxBatchSize}] (at most maxBatchSize)"
+        )
+    if sch.enableSplit and sch.splitChunkTokens < 1:
+        errors.append(f"{prefix}.splitChunkTokens is {sch.splitChunkTokens}; allowed: an integer in [1, 8192]")
+    return errors
+
+
+@hookimpl
+def mindie_host_plan_step(state: SchedulerState) -> StepPlan | None:
+    """Every step: decodes first, then prefill chunks, within ``splitChunkTokens``."""
+    if not is_enabled(state.config):
+        return None
+    return plan_mix(state)
