@@ -1,0 +1,210 @@
+"""``backendType: "ms"`` behind the real HTTP server: every protocol, prefix_cache, splitfuse, startup refusals.
+
+Greedy outputs of an ``ms`` server are compared with a ``torch`` server on the
+same tiny random model (same prompts, same protocol bodies).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mindie_host.api import ModelInput
+from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("ms-server-tiny"))
+
+
+def _cfg(path: Path | None, backend: str, plugins: str = "", **schedule: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {"backendType": backend}
+    if plugins:
+        model["plugin_params"] = json.dumps({"plugin_type": plugins})
+    return server_config(path, model=model, schedule=schedule)
+
+
+def _protocol_requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, path, body) of one greedy request per protocol."""
+    return [
+        ("openai-completions", "/v1/completions",
+         {"model": model, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}),
+        ("openai-chat", "/v1/chat/completions",
+         {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": NEW, "temperature": 0}),
+        ("tgi", "/generate", {"inputs": PROMPT, "parameters": {"do_sample": False, "max_new_tokens": NEW}}),
+        ("vllm", "/generate", {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0}),
+        ("native", "/infer",
+         {"inputs": PROMPT, "stream": False, "parameters": {"do_sample": False, "max_new_tokens": NEW}}),
+        ("triton", f"/v2/models/{model}/generate",
+         {"text_input": PROMPT, "parameters": {"do_sample": False, "max_new_tokens": NEW}}),
+    ]
+
+
+def _text(name: str, data: Any) -> str:
+    """The generated text of a protocol's non-streaming answer."""
+    if name.startswith("openai"):
+        choice = data["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    if name == "tgi":
+        return data["generated_text"] if isinstance(data, dict) else data[0]["generated_text"]
+    if name == "vllm":
+        return data["text"][0]
+    if name == "triton":
+        return data["text_output"]
+    if isinstance(data, dict):  # native
+        for key in ("generated_text", "text", "text_output"):
+            if key in data:
+                value = data[key]
+                return value[0] if isinstance(value, list) else value
+    return json.dumps(data)
+
+
+def _run_all(server: RunningServer, model: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        for name, path, body in _protocol_requests(model):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, f"{name}: {r.status_code} {r.text[:300]}"
+            out[name] = _text(name, r.json())
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_outputs(tiny_path: Path) -> dict[str, str]:
+    with RunningServer(_cfg(tiny_path, "torch")) as server:
+        return _run_all(server, "tiny")
+
+
+@pytest.fixture(scope="module")
+def ms_server(tiny_path: Path) -> Iterator[RunningServer]:
+    with RunningServer(_cfg(tiny_path, "ms")) as server:
+        yield server
+
+
+def test_backends_ms_every_protocol_matches_torch(ms_server: RunningServer, torch_outputs: dict[str, str]) -> None:
+    assert ms_server.host.backend is not None and ms_server.host.backend.backend_type == "ms"
+    outputs = _run_all(ms_server, "tiny")
+    assert set(outputs) == set(torch_outputs)
+    for name, text in outputs.items():
+        assert text, f"{name}: empty output"
+        assert text == torch_outputs[name], f"{name}: ms {text!r} != torch {torch_outputs[name]!r}"
+
+
+def test_backends_ms_openai_client_streaming(ms_server: RunningServer, torch_outputs: dict[str, str]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=ms_server.url + "/v1", api_key="x", timeout=300)
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == torch_outputs["openai-completions"]
+
+
+class StepSpy:
+    """Wraps a live backend's ``execute`` to record each step's (query_lens, context_lens); computes nothing."""
+
+    def __init__(self, backend: Any) -> None:
+        self.steps: list[tuple[list[int], list[int]]] = []
+        self._inner = backend.execute
+        backend.execute = self
+
+    def __call__(self, batch: ModelInput) -> Any:
+        self.steps.append((list(batch.query_lens), list(batch.context_lens)))
+        return self._inner(batch)
+
+    def partial_prefills(self) -> int:
+        """Sequences that ran more than one new token on top of context already in the cache."""
+        return sum(1 for q, c in self.steps for ql, cl in zip(q, c) if ql > 1 and cl > ql)
+
+
+def _shared_prefix_prompts() -> list[str]:
+    stem = "In a quiet village by the river there lived an old clockmaker who repaired every clock in town. " * 2
+    return [stem + tail for tail in ("One morning", "Every evening", "On his birthday")]
+
+
+def _completions(server: RunningServer, prompts: list[str]) -> list[str]:
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        texts = []
+        for p in prompts:
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        return texts
+
+
+@pytest.fixture(scope="module")
+def torch_prefix_outputs(tiny_path: Path) -> list[str]:
+    with RunningServer(_cfg(tiny_path, "torch")) as server:
+        return _completions(server, _shared_prefix_prompts())
+
+
+@pytest.mark.parametrize(
+    ("plugins", "schedule"),
+    [
+        ("prefix_cache", {"enablePrefixCache": True}),
+        ("splitfuse", {"templateType": "Mix", "enableSplit": True, "splitChunkTokens": 16, "splitStartBatchSize": 0}),
+    ],
+)
+def test_backends_ms_with_prefix_cache_and_splitfuse(
+    tiny_path: Path, torch_prefix_outputs: list[str], plugins: str, schedule: dict[str, Any]
+) -> None:
+    """The feature plugins change only scheduling and block sharing: outputs equal plain torch."""
+    with RunningServer(_cfg(tiny_path, "ms", plugins, **schedule)) as server:
+        spy = StepSpy(server.host.backend)
+        texts = _completions(server, _shared_prefix_prompts())
+        stats = server.wait_idle()
+    assert texts == torch_prefix_outputs
+    assert spy.partial_prefills() > 0, f"{plugins}: no step prefilled over cached context: {spy.steps}"
+    if plugins == "prefix_cache":
+        assert stats.get("npu_prefix_cache_hit_rate", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "plugins", "needle"),
+    [
+        ({"device": "cuda"}, "", "ModelConfig.device"),
+        ({"dtype": "float16"}, "", "ModelConfig.dtype"),
+        ({"worldSize": 2}, "", "ModelConfig.worldSize"),
+        ({}, "multi_lora", "multi_lora"),
+    ],
+)
+def test_backends_ms_refuses_unsupported_config_at_startup(
+    tiny_path: Path, model: dict[str, Any], plugins: str, needle: str
+) -> None:
+    from mindie_host.config import config_from_dict
+    from mindie_host.host import Host
+    from mindie_host.plugins import PluginError
+
+    cfg = _cfg(tiny_path, "ms", plugins)
+    cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(model)
+    host = Host(config_from_dict(cfg))
+    with pytest.raises(PluginError, match=needle) as info:
+        host.load()
+    assert "backendType 'ms'" in str(info.value)
+
+
+@pytest.mark.slow
+def test_backends_ms_serves_default_model() -> None:
+    """The default model (SmolLM2-135M-Instruct GGUF) on backendType ms, through OpenAI (official client) and TGI."""
+    import openai
+
+    with RunningServer(_cfg(None, "ms")) as server:
+        assert server.host.backend.backend_type == "ms"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=600)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )
+        assert "Paris" in (reply.choices[0].message.content or "")
+        r = httpx.post(server.url + "/generate", timeout=600,
+                       json={"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4,
+                                                                                  "do_sample": False}})
+        assert r.status_code == 200 and r.json()["generated_text"].strip()
