@@ -460,7 +460,7 @@ class OpenAIServer:
                 "model": parsed.model,
                 "choices": choices,
                 "usage": usage(sum(len(r.prompt_token_ids) for r in reqs) // max(1, parsed.n),
-                               sum(len(o.token_ids) for o in outs)),
+                               sum(len(o.token_ids) for o in outs), sum(o.num_cached_tokens for o in outs) // max(1, parsed.n)),
             })
         except RequestError as err:
             return openai_error(err)
