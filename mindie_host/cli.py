@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -67,7 +66,7 @@ class _Progress:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .host import Host
     from .logs import setup_logging
-    from .server.runner import serve
+    from .server.runner import serve_with_engine_on_main_thread
 
     try:
         config = build_config(args)
@@ -82,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     original = host.load
     host.load = lambda progress_cb=None: original(progress)  # type: ignore[method-assign]
     try:
-        asyncio.run(serve(host))
+        serve_with_engine_on_main_thread(host)
     except (PluginError, ConfigError, FileNotFoundError, RuntimeError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)
         return 2

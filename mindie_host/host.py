@@ -130,10 +130,12 @@ class Host:
         self.engine = AsyncEngine(self.llm)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, block_size, num_blocks * per_block / 2**20)
 
-    def start(self) -> None:
-        """Start the engine worker and mark the server ready."""
+    def start(self, engine_thread: bool = True) -> None:
+        """Mark the server ready; start the engine worker thread unless the caller
+        steps the engine itself (``engine.run_here()`` on the main thread)."""
         assert self.engine is not None
-        self.engine.start()
+        if engine_thread:
+            self.engine.start()
         self.ready = True
 
     def shutdown(self) -> None:

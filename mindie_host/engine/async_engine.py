@@ -31,6 +31,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stopped = threading.Event()
         self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
         self.dead: str | None = None
 
@@ -41,6 +42,15 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="mindie-engine", daemon=True)
             self._thread.start()
 
+    def run_here(self) -> None:
+        """Step the engine on the calling thread until :meth:`stop` (instead of :meth:`start`).
+
+        ``mindie-host serve`` runs the engine on the process's main thread: that is
+        OpenMP's initial thread, where MKL's kernels run measurably faster than on a
+        second thread (bench/PERF.md); HTTP then runs on a helper thread.
+        """
+        self._run()
+
     def stop(self) -> None:
         """Abort everything and stop the worker."""
         self._stopping = True
@@ -48,6 +58,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        elif self._running_here:
+            self._stopped.wait(timeout=30)
 
     @property
     def num_active(self) -> int:
@@ -123,8 +135,15 @@ class AsyncEngine:
                     log.exception("engine call failed")
         return outputs
 
+    @property
+    def _running_here(self) -> bool:
+        return self._started_loop and not self._stopped.is_set()
+
+    _started_loop = False
+
     def _run(self) -> None:
         engine = self.engine
+        self._started_loop = True
         try:
             while not self._stopping:
                 outputs = self._drain_inbox()
@@ -143,6 +162,7 @@ class AsyncEngine:
         finally:
             if self._stopping:
                 self._fail_all("The service has been stopped.")
+            self._stopped.set()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for hook in self.step_hooks:

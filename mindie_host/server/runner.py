@@ -93,8 +93,15 @@ def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
     return BusinessGuard(app, host.config, gate, is_business, ready=lambda: host.ready or host.draining)
 
 
-async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None) -> None:
-    """Run every listener until SIGTERM/SIGINT (or ``host.request_stop``)."""
+async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None,
+                engine_thread: bool = True, loaded: Any = None) -> None:
+    """Run every listener until SIGTERM/SIGINT (or the stop event in ``host.state``).
+
+    With ``engine_thread=False`` the engine is not started here: the caller runs
+    ``host.engine.run_here()`` once ``on_ready`` fires (see :func:`serve_with_engine_on_main_thread`).
+    With ``load=False`` and a ``loaded`` event, the model is loaded elsewhere and
+    the listeners wait for the event before turning ready.
+    """
     host.plugins.enable_from_config(host.config)
     check_bind_addresses(host.config)
     servers: list[_Server] = []
@@ -130,7 +137,11 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
     try:
         if load:
             await asyncio.to_thread(host.load)
-        host.start()
+        elif loaded is not None:
+            await asyncio.to_thread(loaded.wait)
+            if host.state.get("load_error") is not None:
+                raise host.state["load_error"]
+        host.start(engine_thread=engine_thread)
         log.info("model %s ready", host.model_name)
         if on_ready is not None:
             on_ready()
@@ -147,6 +158,56 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
             srv.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
         host.shutdown()
+
+
+def serve_with_engine_on_main_thread(host: Host) -> None:
+    """``mindie-host serve``: HTTP listeners on a helper thread, the engine stepping on this (main) thread.
+
+    Signals are caught here and forwarded to the serving loop, which drains and
+    then stops the engine, ending :meth:`AsyncEngine.run_here`.
+    """
+    import threading
+
+    ready = threading.Event()
+    loaded = threading.Event()
+    failure: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            asyncio.run(serve(host, load=False, loaded=loaded, on_ready=ready.set, engine_thread=False))
+        except BaseException as exc:  # reported on the main thread
+            failure.append(exc)
+        finally:
+            ready.set()
+            if host.engine is not None:
+                host.engine.stop()
+
+    def on_signal(signum: int, frame: object) -> None:
+        loop, stop = host.state.get("loop"), host.state.get("stop_event")
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=http, name="mindie-http")
+    thread.start()
+    try:
+        # Load (and warm up) on this thread too: the thread that first runs OpenMP work keeps the fast
+        # thread team, and the engine must step on that thread (bench/PERF.md).
+        try:
+            host.load()
+        except BaseException as exc:
+            host.state["load_error"] = exc
+        finally:
+            loaded.set()
+        ready.wait()
+        if not failure and host.engine is not None:
+            host.engine.run_here()
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failure:
+        raise failure[0]
 
 
 async def drain(host: Host, timeout: float) -> None:
