@@ -32,6 +32,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = threading.Event()
+        self._loop_started = False  # set once _run begins, on whichever thread runs it
         self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
         self.dead: str | None = None
 
@@ -58,8 +59,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        elif self._running_here:
-            self._stopped.wait(timeout=30)
+        elif self._loop_started:
+            self._stopped.wait(timeout=30)  # run_here() on another thread: wait for its loop to end
 
     @property
     def num_active(self) -> int:
@@ -135,15 +136,9 @@ class AsyncEngine:
                     log.exception("engine call failed")
         return outputs
 
-    @property
-    def _running_here(self) -> bool:
-        return self._started_loop and not self._stopped.is_set()
-
-    _started_loop = False
-
     def _run(self) -> None:
         engine = self.engine
-        self._started_loop = True
+        self._loop_started = True
         try:
             while not self._stopping:
                 outputs = self._drain_inbox()
