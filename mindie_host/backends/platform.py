@@ -127,8 +127,8 @@ class Platform:
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         heads, dim = q.shape[1], q.shape[2]
-        keys = k_cache[meta.gather_index].transpose(1, 2)  # [B, KV, ctx, D]
-        values = v_cache[meta.gather_index].transpose(1, 2)
+        keys = gather_slots(k_cache, meta.gather_index).transpose(1, 2)  # [B, KV, ctx, D]
+        values = gather_slots(v_cache, meta.gather_index).transpose(1, 2)
         if meta.pad_index is None:
             qb = q.view(num_seqs, max_q, heads, dim)
         else:
@@ -173,8 +173,8 @@ class Platform:
                 [meta.context_lens[i] for i in singles], device=q.device).unsqueeze(1)
             o = F.scaled_dot_product_attention(
                 q[rows].unsqueeze(2).to(k_cache.dtype),  # [b, H, 1, D]
-                k_cache[slots].transpose(1, 2),  # [b, KV, ctx, D]
-                v_cache[slots].transpose(1, 2),
+                gather_slots(k_cache, slots).transpose(1, 2),  # [b, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(1, 2),
                 attn_mask=mask.view(len(singles), 1, 1, ctx),
                 scale=scale,
                 enable_gqa=gqa,
@@ -190,14 +190,20 @@ class Platform:
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
             o = F.scaled_dot_product_attention(
                 qi.to(k_cache.dtype),
-                k_cache[slots].transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
-                v_cache[slots].transpose(0, 1).unsqueeze(0),
+                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0),
                 attn_mask=mask.view(1, 1, n, ctx),
                 scale=scale,
                 enable_gqa=gqa,
             )
             out[starts[i] : starts[i] + n] = o[0].transpose(0, 1).to(q.dtype)
         return out.reshape(q.shape[0], heads, dim)
+
+def gather_slots(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` for a slot-major cache, via ``index_select`` (about 3x faster on CPU than
+    advanced indexing for the per-layer K/V gather)."""
+    return cache.index_select(0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
+
 
 def _mkl_packing_available() -> bool:
     import os
