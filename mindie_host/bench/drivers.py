@@ -6,6 +6,7 @@ generated-text event (``time.perf_counter()`` minus the run's origin), the text 
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,7 +43,7 @@ class DriverOptions:
     model_version: str = ""
 
 
-class Driver:
+class Driver(abc.ABC):
     """Base class: owns the clock origin and tokenizer-side bookkeeping."""
 
     name = "base"
@@ -54,16 +55,27 @@ class Driver:
     def now(self) -> float:
         return time.perf_counter() - self.origin
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook
         """Open connections / load the engine."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
 
+    @abc.abstractmethod
     async def send(self, item: BenchItem, record: RequestRecord) -> None:
-        raise NotImplementedError
+        """Send one request and fill ``record`` with its timings and output."""
 
     # -- helpers ------------------------------------------------------------------------------
+    def sampling_body(self, item: BenchItem, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` plus greedy (unless sampling), ``ignore_eos`` and the user's sampling options
+        (the OpenAI and vLLM request bodies share these)."""
+        if not self.opts.do_sampling:
+            body["temperature"] = 0.0
+        if item.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.opts.sampling)
+        return body
+
     def count_input(self, item: BenchItem, record: RequestRecord) -> None:
         """Input token count from the local tokenizer (timed as Tokenizer)."""
         if item.token_ids is not None:
@@ -151,14 +163,9 @@ class OpenAIDriver(_HTTPDriver):
 
     async def send(self, item: BenchItem, record: RequestRecord) -> None:
         self.count_input(item, record)
-        body: dict[str, Any] = {"model": self.opts.model_name,
-                                "messages": [{"role": "user", "content": item.prompt}],
-                                "max_tokens": item.max_tokens}
-        if not self.opts.do_sampling:
-            body["temperature"] = 0
-        if item.ignore_eos:
-            body["ignore_eos"] = True
-        body.update(self.opts.sampling)
+        body = self.sampling_body(item, {"model": self.opts.model_name,
+                                         "messages": [{"role": "user", "content": item.prompt}],
+                                         "max_tokens": item.max_tokens})
         if self.opts.task_kind == "text":
             record.start = self.now()
             data = await self._post_json("/v1/chat/completions", body)
@@ -245,13 +252,8 @@ class VLLMDriver(_HTTPDriver):
 
     async def send(self, item: BenchItem, record: RequestRecord) -> None:
         self.count_input(item, record)
-        body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens,
-                                "stream": self.opts.task_kind != "text"}
-        if not self.opts.do_sampling:
-            body["temperature"] = 0.0
-        if item.ignore_eos:
-            body["ignore_eos"] = True
-        body.update(self.opts.sampling)
+        body = self.sampling_body(item, {"prompt": item.prompt, "max_tokens": item.max_tokens,
+                                         "stream": self.opts.task_kind != "text"})
         if self.opts.task_kind == "text":
             record.start = self.now()
             data = await self._post_json("/generate", body)

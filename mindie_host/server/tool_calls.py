@@ -25,6 +25,7 @@ bounded in length, at the price of not being able to produce every value.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import json
 import re
@@ -94,7 +95,7 @@ def _json_values(text: str) -> list[Any]:
     return out
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base tool-call parser: subclasses set the text format a model family uses.
 
     ``parse(text)`` returns OpenAI ``tool_calls`` or ``None``; ``content(text)``
@@ -106,14 +107,16 @@ class ToolParser:
 
     name = "base"
 
+    @abc.abstractmethod
     def parse(self, text: str) -> list[dict[str, Any]] | None:
-        raise NotImplementedError
+        """The OpenAI ``tool_calls`` found in ``text``, or None."""
 
     def content(self, text: str) -> str:
         return ""
 
+    @abc.abstractmethod
     def might_be_call(self, prefix: str) -> bool:
-        raise NotImplementedError
+        """Whether streamed text starting with ``prefix`` could still turn into a call."""
 
     def instructions(self, tools: list[dict[str, Any]]) -> str:
         specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
