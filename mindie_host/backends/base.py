@@ -33,6 +33,26 @@ class ModelInfo:
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_arch(cls, name: str, arch: Any, *, dtype: str, device: str, **extra: Any) -> ModelInfo:
+        """The facts of a Llama-family model read by :func:`mindie_host.api.load_arch` (``arch`` is a ``LlamaArch``)."""
+        return cls(
+            name=name,
+            architecture="LlamaForCausalLM",
+            vocab_size=arch.vocab_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            max_position_embeddings=arch.max_position_embeddings,
+            eos_token_ids=list(arch.eos_token_ids),
+            bos_token_id=arch.bos_token_id,
+            dtype=dtype,
+            device=device,
+            model_type=arch.model_type,
+            extra={"hidden_size": arch.hidden_size, "num_heads": arch.num_heads,
+                   "intermediate_size": arch.intermediate_size, **extra},
+        )
+
 
 @dataclass
 class ModelInput:

@@ -67,21 +67,8 @@ class TorchBackend(ModelBackend):
             "loaded %s: %d layers, hidden %d, %s on %s",
             self.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."), self.platform.name,
         )
-        return ModelInfo(
-            name=self.name,
-            architecture="LlamaForCausalLM",
-            vocab_size=arch.vocab_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            max_position_embeddings=arch.max_position_embeddings,
-            eos_token_ids=list(arch.eos_token_ids),
-            bos_token_id=arch.bos_token_id,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=self.platform.name,
-            model_type=arch.model_type,
-            extra={"hidden_size": arch.hidden_size, "num_heads": arch.num_heads,
-                   "intermediate_size": arch.intermediate_size},
+        return ModelInfo.from_arch(
+            self.name, arch, dtype=str(self.dtype).removeprefix("torch."), device=self.platform.name
         )
 
     # -- KV cache --------------------------------------------------------------------------

@@ -57,21 +57,8 @@ class MsBackend(ModelBackend):
         self.model = MsLlama(arch, weights, ms)
         log.info("loaded %s in MindSpore %s: %d layers, hidden %d, float32 on CPU",
                  self.name, ms.__version__, arch.num_layers, arch.hidden_size)
-        return ModelInfo(
-            name=self.name,
-            architecture="LlamaForCausalLM",
-            vocab_size=arch.vocab_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            max_position_embeddings=arch.max_position_embeddings,
-            eos_token_ids=list(arch.eos_token_ids),
-            bos_token_id=arch.bos_token_id,
-            dtype="float32",
-            device="cpu",
-            model_type=arch.model_type,
-            extra={"hidden_size": arch.hidden_size, "num_heads": arch.num_heads,
-                   "intermediate_size": arch.intermediate_size, "framework": f"mindspore {ms.__version__}"},
+        return ModelInfo.from_arch(
+            self.name, arch, dtype="float32", device="cpu", framework=f"mindspore {ms.__version__}"
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
