@@ -36,6 +36,7 @@ from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
 from .params import build_sampling
+from .textgen import tgi_finish_reason
 from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_response, wants_binary_output
 from .validation import INT32_MAX, Fields, check_seed, check_text_size, parse_json_body
 
@@ -123,15 +124,6 @@ def perf_stat(out: RequestOutput) -> list[list[int]]:
         pairs.append([tid, int(round((t - prev) * 1000))])
         prev = t
     return pairs
-
-
-def mindie_finish_reason(out: RequestOutput) -> str:
-    """MindIE's finish reasons: ``eos_token``, ``stop_sequence``, ``length``."""
-    if out.finish_reason == "length":
-        return "length"
-    if out.finish_reason == "stop" and out.stop_reason is None:
-        return "eos_token"
-    return "stop_sequence"
 
 
 def raise_for_failure(out: RequestOutput) -> None:
@@ -306,7 +298,7 @@ class TritonServer:
             body: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": out.text}
             if params.details:
                 details: dict[str, Any] = {
-                    "finish_reason": mindie_finish_reason(out),
+                    "finish_reason": tgi_finish_reason(out),
                     "generated_tokens": len(out.token_ids),
                     "first_token_cost": None,
                     "decode_cost": None,
@@ -348,7 +340,7 @@ class TritonServer:
                     stats.append([tid, int(round(gap / max(1, len(out.new_token_ids))))])
                 details: dict[str, Any] = {}
                 if out.finished:
-                    details["finish_reason"] = mindie_finish_reason(out)
+                    details["finish_reason"] = tgi_finish_reason(out)
                 details.update(generated_tokens=len(out.token_ids), first_token_cost=None, decode_cost=None)
                 if params.perf_stat:
                     details["perf_stat"] = perf_stat(out) if out.token_times else [list(x) for x in stats]
