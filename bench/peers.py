@@ -12,6 +12,11 @@ ratios are comparable on a noisy shared machine.
     python bench/peers.py --systems mindie --conc 1,16 # just us
     LLAMA_SERVER=/path/to/llama-server python bench/peers.py
 
+mindie-host runs with ``bench/configs/peers.json``: the built-in defaults plus
+``compile: true`` (compiled decode step) and the prefix_cache plugin with 16-token
+blocks, the counterpart of llama-server's default per-slot prompt cache. The system
+``mindie-defaults`` (not in the default list) runs the built-in defaults instead.
+
 Peers: llama.cpp's ``llama-server`` (found through ``$LLAMA_SERVER`` or ``PATH``),
 ``transformers serve --continuous-batching`` (needs ``transformers[serving]`` and
 an HF directory converted from the GGUF, ``$TRANSFORMERS_SERVE_DIR``).
@@ -58,12 +63,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) ->
     raise TimeoutError(url)
 
 
-def start_mindie(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
     port, mport, xport = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "mindie_host.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--management-port", str(mport), "--metrics-port", str(xport)]
-    if args.config:
-        cmd += ["--config", args.config]
+    config = args.config if config is None else config
+    if config:
+        cmd += ["--config", config]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,9 +102,14 @@ def start_transformers(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes
     return proc, f"http://127.0.0.1:{port}", directory
 
 
-SYSTEMS = {"mindie": start_mindie, "llama": start_llama, "transformers": start_transformers}
-LABELS = {"mindie": "mindie-host", "llama": "llama.cpp llama-server (Q4_1, -np 16)",
-          "transformers": "transformers serve --continuous-batching"}
+def start_mindie_defaults(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
+    return start_mindie(args, config="")
+
+
+SYSTEMS = {"mindie": start_mindie, "mindie-defaults": start_mindie_defaults, "llama": start_llama,
+           "transformers": start_transformers}
+LABELS = {"mindie": "mindie-host", "mindie-defaults": "mindie-host (built-in defaults)",
+          "llama": "llama.cpp llama-server (Q4_1, -np 16)", "transformers": "transformers serve --continuous-batching"}
 
 
 def run_load(url: str, model: str, conc: int, n: int, max_tokens: int) -> dict[str, float]:
@@ -114,7 +125,8 @@ def main() -> int:
     ap.add_argument("--systems", default="mindie,llama,transformers")
     ap.add_argument("--conc", default="1,16,64")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--config", help="mindie-host config.json (default: the built-in defaults)")
+    ap.add_argument("--config", default=str(ROOT / "bench" / "configs" / "peers.json"),
+                    help="mindie-host config.json (default: bench/configs/peers.json; '' = the built-in defaults)")
     ap.add_argument("--dtype", help="mindie-host weight dtype")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
     args = ap.parse_args()

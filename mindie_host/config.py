@@ -460,7 +460,10 @@ class ModelConfig:
     """One ``ModelDeployConfig.ModelConfig[]`` entry: which model, where, on what backend.
 
     Extensions of this host, not in MindIE: ``dtype`` and ``device`` pick the weights'
-    precision and where the torch backend runs; ``maxKvBlocks`` caps the KV-cache pool
+    precision and where the torch backend runs; ``quantization`` says whether CPU decode
+    reads a GGUF file's 4- and 8-bit matrices in that form for products of few rows
+    (``auto``) or only their dequantized values (``none``); ``compile`` runs decode steps
+    of up to 16 sequences through ``torch.compile`` (compiled at start-up); ``maxKvBlocks`` caps the KV-cache pool
     below what the memory budget allows (0 = no cap); the sampling keys (``temperature`` ...
     ``do_sample``) are per-model defaults for requests that leave them out (``None`` = not
     set, fall back to the model's generation config).
@@ -483,6 +486,8 @@ class ModelConfig:
     # extensions
     dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
     device: str = _key("auto", _choice("auto", "cpu", "cuda", "npu"))
+    quantization: str = _key("auto", _choice("auto", "none"))
+    compile: bool = _key(False, _BOOL)
     maxKvBlocks: int = _key(0, _int(0, INT32_MAX))  # 0 = as many as the memory budget allows
     temperature: float | None = _key(None, _num(0, 2, nullable=True))
     top_k: int | None = _key(None, _int(0, INT32_MAX, nullable=True))

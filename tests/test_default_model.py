@@ -61,7 +61,7 @@ def test_greedy_matches_transformers_on_default_model() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
-    host = loaded_host(server_config(None))
+    host = loaded_host(server_config(None, model={"quantization": "none"}))  # the reference numerics
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .linear import (
+    FourBitWeight,
+    Int8Weight,
+    LowBitWeight,
+    PackedWeight,
+    low_bit_kernels_available,
+    mkl_packing_available,
+)
+
 if TYPE_CHECKING:
+    from ..models.weights import FourBitGroups
     from .base import ModelInput
 
 
@@ -83,19 +93,25 @@ class Platform:
         return meta
 
     # -- operators ------------------------------------------------------------------
-    def prepare_linear(self, weight: torch.Tensor) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, stored: FourBitGroups | str | None = None) -> Any:
         """Turn a ``[out, in]`` weight into whatever :meth:`linear` wants (packed, quantized...).
 
         On x86 CPUs with MKL, fp32 weights are also pre-packed for a few batch-size
         buckets: MKL's packed GEMM is about twice as fast as the plain one for the
-        4-64 row products of batched decode."""
-        if self.device_type == "cpu" and weight.dtype == torch.float32 and _mkl_packing_available():
-            return PackedWeight(weight)
-        return weight
+        4-64 row products of batched decode. ``stored`` says how the model file holds
+        the matrix when it is below 16 bits: its 4-bit groups, or ``"int8"`` for 8-bit
+        blocks; on CPU, products of few rows then read that low-bit form
+        (:mod:`mindie_host.backends.linear`)."""
+        if self.device_type != "cpu" or weight.dtype != torch.float32:
+            return weight
+        dense: Any = PackedWeight(weight) if mkl_packing_available() else weight
+        if stored is None or not low_bit_kernels_available():
+            return dense
+        return Int8Weight(dense) if stored == "int8" else FourBitWeight(stored, dense)  # type: ignore[arg-type]
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear`."""
-        if isinstance(weight, PackedWeight):
+        if isinstance(weight, (PackedWeight, LowBitWeight)):
             return weight(x, bias)
         return F.linear(x, weight, bias)
 
@@ -203,43 +219,6 @@ def gather_slots(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``cache[index]`` for a slot-major cache, via ``index_select`` (about 3x faster on CPU than
     advanced indexing for the per-layer K/V gather)."""
     return cache.index_select(0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
-
-
-def _mkl_packing_available() -> bool:
-    import os
-
-    if os.environ.get("MINDIE_HOST_MKL_PACK", "1") == "0":
-        return False
-    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-
-
-class PackedWeight:
-    """An fp32 weight plus MKL-packed copies for batch-size buckets.
-
-    A product whose row count falls in a bucket range is padded up to the bucket
-    and runs as a packed GEMM; others (one or two rows, long prefills) use the
-    plain weight.
-    """
-
-    BUCKETS = (8, 16, 32, 64)
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-        self.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m) for m in self.BUCKETS}
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() != 2 or rows < 3 or rows > self.BUCKETS[-1] or x.dtype != torch.float32:
-            return F.linear(x, self.weight, bias)
-        bucket = next(b for b in self.BUCKETS if b >= rows)
-        if bucket != rows:
-            x = F.pad(x, (0, 0, 0, bucket - rows))
-        out = torch.ops.mkl._mkl_linear(x.contiguous(), self.packed[bucket], self.weight, bias, bucket)
-        return out[:rows] if bucket != rows else out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,11 @@ Weights come out under Hugging Face names (``model.layers.0.self_attn.q_proj.wei
 as float32 numpy arrays, whatever the source, so every backend (torch, MindSpore,
 Ascend) shares one loader. GGUF tensors are dequantized with the ``gguf`` package
 and the Q/K row permutation that llama.cpp's converter applies is undone.
+
+GGUF files whose matrices are stored as 4-bit groups (Q4_0, Q4_1) or 8-bit blocks
+(Q8_0) also say so (:func:`low_bit_matrices`), handing 4-bit groups over as they are,
+so a backend with low-bit kernels reads 8x fewer bytes per weight than fp32 without
+re-quantizing anything.
 """
 
 from __future__ import annotations
@@ -235,6 +240,94 @@ def _iter_gguf(path: Path, arch: LlamaArch) -> Iterator[tuple[str, np.ndarray]]:
         elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
             array = _unpermute_rows(array, arch.num_kv_heads)
         yield hf, array
+
+
+@dataclass
+class FourBitGroups:
+    """A matrix stored as 4-bit codes in groups along the input dimension.
+
+    ``weight[r, c] == codes[r, c] * scale[r, c // group_size] + offset[r, c // group_size]``
+    (the dequantized values are exactly the GGUF file's). ``codes`` is uint8 in 0..15,
+    ``[rows, cols]``; ``scale`` and ``offset`` are float32 ``[rows, cols // group_size]``.
+    """
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    group_size: int = 32
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix these groups stand for."""
+        rows, cols = self.codes.shape
+        g = self.codes.reshape(rows, cols // self.group_size, self.group_size).astype(np.float32)
+        return (g * self.scale[..., None] + self.offset[..., None]).reshape(rows, cols)
+
+    @staticmethod
+    def concat(parts: list[FourBitGroups]) -> FourBitGroups:
+        """Stack matrices with the same input size along their rows (fused QKV, gate+up)."""
+        return FourBitGroups(
+            np.concatenate([p.codes for p in parts]),
+            np.concatenate([p.scale for p in parts]),
+            np.concatenate([p.offset for p in parts]),
+            parts[0].group_size,
+        )
+
+
+def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
+    """Unpack a Q4_0 or Q4_1 GGUF tensor's blocks; None for any other type.
+
+    A block covers 32 inputs: an fp16 scale ``d`` (Q4_1 adds an fp16 minimum ``m``),
+    then 16 bytes whose low nibbles are inputs 0..15 and high nibbles inputs 16..31.
+    Q4_0 means ``(q - 8) * d``, Q4_1 means ``q * d + m``.
+    """
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    block_bytes = 18 if kind == gguf.GGMLQuantizationType.Q4_0 else 20
+    rows = int(tensor.shape[1])
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+    header = block_bytes - 16
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == gguf.GGMLQuantizationType.Q4_1:
+        offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        offset = -8.0 * scale
+    qs = raw[..., header:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    return FourBitGroups(np.ascontiguousarray(codes), scale, offset, 32)
+
+
+def low_bit_matrices(source: ModelSource, arch: LlamaArch | None = None) -> dict[str, FourBitGroups | str]:
+    """How the model file stores its matrices that are below 16 bits, under HF names.
+
+    A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups` (Q/K rows un-permuted), a Q8_0
+    one to ``"int8"``; other types (K-quants, Q5, Q6, floats) are left out, and so is
+    everything of an HF directory.
+    """
+    if source.kind != "gguf":
+        return {}
+    import gguf
+
+    arch = arch or load_arch(source)
+    out: dict[str, FourBitGroups | str] = {}
+    for tensor in gguf.GGUFReader(str(source.path)).tensors:
+        hf = gguf_name_to_hf(tensor.name)
+        if hf is None or not hf.endswith(".weight"):
+            continue
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            out[hf] = "int8"
+            continue
+        groups = _four_bit_from_gguf(tensor)
+        if groups is None:
+            continue
+        heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
+        if heads:
+            groups = FourBitGroups(*(_unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
+                                   groups.group_size)
+        out[hf] = groups
+    return out
 
 
 def _safetensor_files(directory: Path) -> list[Path]:

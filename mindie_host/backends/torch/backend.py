@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
-from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch
+from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ..base import ModelBackend, ModelInfo, ModelInput
 from ..platform import Platform, select_platform
 from .model import TorchLlama
@@ -27,7 +28,14 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
 
 
 class TorchBackend(ModelBackend):
-    """Llama-family models in plain torch over a paged KV cache, on CPU or CUDA."""
+    """Llama-family models in plain torch over a paged KV cache, on CPU or CUDA.
+
+    ``quantization="auto"`` hands the platform how the model file stores its low-bit
+    matrices (GGUF Q4_0/Q4_1 groups, Q8_0 blocks) next to their dequantized values, so
+    CPU decode of few sequences reads them at 4 or 8 bits; ``"none"`` uses only the
+    dequantized values (the reference numerics). Full-precision checkpoints are the
+    same either way.
+    """
 
     backend_type = "torch"
 
@@ -37,6 +45,8 @@ class TorchBackend(ModelBackend):
         *,
         name: str,
         dtype: str = "auto",
+        quantization: str = "auto",
+        compile_decode: bool = False,
         platform: Platform | None = None,
         progress: Any = None,
     ) -> None:
@@ -45,6 +55,10 @@ class TorchBackend(ModelBackend):
         self.platform = platform or select_platform("auto")
         self.dtype = resolve_dtype(dtype, self.platform)
         self.kv_dtype = self.dtype
+        if quantization not in ("auto", "none"):
+            raise ValueError(f"quantization {quantization!r} not supported; allowed: auto, none")
+        self.quantization = quantization
+        self.compile_decode = compile_decode
         self.progress = progress
         self.arch: LlamaArch | None = None
         self.model: TorchLlama | None = None
@@ -59,13 +73,15 @@ class TorchBackend(ModelBackend):
         weights: dict[str, torch.Tensor] = {}
         total = count_tensors(self.source)
         for i, (name, array) in enumerate(iter_weights(self.source, arch), start=1):
-            weights[name] = torch.from_numpy(array)
+            weights[name] = torch.from_numpy(np.require(array, requirements="W"))  # GGUF floats are read-only maps
             if self.progress is not None:
                 self.progress(i, total, name)
-        self.model = TorchLlama(arch, weights, self.platform, self.dtype)
+        stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
+        self.model = TorchLlama(arch, weights, self.platform, self.dtype, stored)
         log.info(
-            "loaded %s: %d layers, hidden %d, %s on %s",
+            "loaded %s: %d layers, hidden %d, %s on %s%s",
             self.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."), self.platform.name,
+            f", {len(stored)} matrices also kept in the file's low-bit form" if stored else "",
         )
         return ModelInfo.from_arch(
             self.name, arch, dtype=str(self.dtype).removeprefix("torch."), device=self.platform.name
@@ -107,6 +123,9 @@ class TorchBackend(ModelBackend):
         self.lora = runtime
         return True
 
+    #: decode steps of up to this many sequences run compiled when ``compile_decode`` is on
+    COMPILED_MAX_SEQS = 16
+
     def warmup(self) -> None:
         if not self.kv_caches:
             return
@@ -115,6 +134,15 @@ class TorchBackend(ModelBackend):
             block_tables=[[0]], logits_indices=[1], adapter_indices=[-1],
         )
         self.execute(batch)
+        if self.compile_decode and self.model is not None:
+            log.info("compiling the decode step (torch.compile; cached on disk after the first time)")
+            self.model.compile_decode(self.COMPILED_MAX_SEQS)
+            for seqs in (1, 2):  # one sequence is its own graph (size-1 dims are specialized)
+                self.execute(ModelInput(
+                    input_ids=[0] * seqs, positions=[4 + seqs] * seqs, query_lens=[1] * seqs,
+                    context_lens=[5 + seqs] * seqs, block_tables=[[0]] * seqs, logits_indices=list(range(seqs)),
+                    adapter_indices=[-1] * seqs,
+                ))
         self.platform.synchronize()
 
     def shutdown(self) -> None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
-from ...models.weights import LlamaArch
+from ...models.weights import FourBitGroups, LlamaArch
 from ..base import ModelInput
 from ..platform import AttentionMetadata, Platform
 
@@ -54,7 +55,12 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 
 class TorchLlama:
-    """The forward pass. Construct with HF-named float tensors; call :meth:`forward` per step."""
+    """The forward pass. Construct with HF-named float tensors; call :meth:`forward` per step.
+
+    ``stored`` says, by HF name, how the model file holds its low-bit matrices (see
+    :func:`~mindie_host.models.weights.low_bit_matrices`); the platform may read those
+    forms for products of few rows.
+    """
 
     def __init__(
         self,
@@ -62,6 +68,7 @@ class TorchLlama:
         weights: dict[str, torch.Tensor],
         platform: Platform,
         dtype: torch.dtype,
+        stored: dict[str, FourBitGroups | str] | None = None,
     ) -> None:
         self.arch = arch
         self.platform = platform
@@ -69,8 +76,21 @@ class TorchLlama:
         self.device = platform.device()
         self.scale = 1.0 / math.sqrt(arch.head_dim)
 
+        stored = stored or {}
+
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
+
+        def linear(*names: str) -> Any:
+            """One prepared product for these matrices stacked by rows (fused QKV, gate+up)."""
+            dense = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            forms = [stored.get(n) for n in names]
+            form: FourBitGroups | str | None = None
+            if all(isinstance(f, FourBitGroups) for f in forms):
+                form = FourBitGroups.concat(forms)  # type: ignore[arg-type]
+            elif all(f == "int8" for f in forms):
+                form = "int8"
+            return platform.prepare_linear(dense.contiguous(), form)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
@@ -80,28 +100,30 @@ class TorchLlama:
         self.layers: list[LayerWeights] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
             bias = None
             if p + "self_attn.q_proj.bias" in weights:
                 bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0)
-            prep = platform.prepare_linear
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=prep(qkv.contiguous()),
+                    qkv=linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=bias,
-                    o_proj=prep(take(p + "self_attn.o_proj.weight")),
+                    o_proj=linear(p + "self_attn.o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=prep(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous()),
-                    down=prep(take(p + "mlp.down_proj.weight")),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
-        self.lm_head_linear = platform.prepare_linear(self.lm_head)
+        head_name = "model.embed_tokens.weight" if self.lm_head is self.embed else "lm_head.weight"
+        self.lm_head_linear = platform.prepare_linear(self.lm_head, stored.get(head_name))
         max_pos = arch.max_position_embeddings
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(arch))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
+        self.compiled_decode: Any = None
+        self.compiled_max_seqs = 0
+        self.compiled_steps = 0  # decode steps that ran compiled (for stats and tests)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -161,9 +183,78 @@ class TorchLlama:
         lora: object | None = None,
     ) -> torch.Tensor:
         """Run the decoder over the flattened new tokens; return float32 logits at ``logits_indices``."""
-        arch, plat = self.arch, self.platform
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        if (
+            self.compiled_decode is not None
+            and lora is None
+            and meta.max_query_len == 1
+            and meta.pad_index is None
+            and meta.attn_mask is not None
+            and meta.num_seqs <= self.compiled_max_seqs
+        ):
+            kv_flat = [t for pair in kv_caches for t in pair]
+            args = (ids, pos, idx, meta.slot_mapping, meta.gather_index, meta.attn_mask)
+            for t in args:  # batch and context sizes vary; the caches and the model do not
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(meta.gather_index, 1)
+            torch._dynamo.maybe_mark_dynamic(meta.attn_mask, 3)
+            self.compiled_steps += 1
+            hidden = self.compiled_decode(*args, kv_flat)
+        else:
+            hidden = self.run(ids, pos, idx, meta, kv_caches, lora)
+        # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
+        return self.platform.linear(hidden, self.lm_head_linear).float()
+
+    def compile_decode(self, max_seqs: int) -> None:
+        """Run decode steps of up to ``max_seqs`` sequences (no LoRA) through ``torch.compile``.
+
+        Inductor fuses the small operators between the matrix products (norms, rotary,
+        residual adds, SiLU) into a few generated kernels, which removes most of the
+        per-operator cost that dominates a small decode step on CPU (bench/PERF.md).
+        The graph is compiled once with dynamic batch and context sizes, at warm-up.
+        """
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+        self.compiled_max_seqs = max_seqs
+        self.compiled_decode = torch.compile(self._decode)
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        idx: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        gather_index: torch.Tensor,
+        attn_mask: torch.Tensor,
+        kv_flat: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """:meth:`run` for a step whose sequences each bring one token, from tensors only (what gets compiled)."""
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            gather_index=gather_index,
+            attn_mask=attn_mask,
+            pad_index=None,
+            num_seqs=gather_index.shape[0],
+            max_query_len=1,
+            max_context_len=gather_index.shape[1],
+            query_lens=[],
+            context_lens=[],
+        )
+        kv_caches = [(kv_flat[i], kv_flat[i + 1]) for i in range(0, len(kv_flat), 2)]
+        return self.run(ids, pos, idx, meta, kv_caches, None)
+
+    def run(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        idx: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: object | None,
+    ) -> torch.Tensor:
+        """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``."""
+        arch, plat = self.arch, self.platform
         cos = self.cos[pos].unsqueeze(1)
         sin = self.sin[pos].unsqueeze(1)
         x = F.embedding(ids, self.embed)
@@ -195,6 +286,4 @@ class TorchLlama:
             if lora is not None:
                 d = lora.apply_down(li, act, d)  # type: ignore[attr-defined]
             x = x + d
-        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
-        x = plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)
-        return plat.linear(x, self.lm_head_linear).float()
+        return plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)

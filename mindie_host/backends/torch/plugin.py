@@ -26,5 +26,7 @@ def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any)
         resolve_model(path),
         name=name,
         dtype=model_config.dtype,
+        quantization=model_config.quantization,
+        compile_decode=model_config.compile,
         platform=select_platform(model_config.device),
     )

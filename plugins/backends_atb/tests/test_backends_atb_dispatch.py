@@ -31,7 +31,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _backends(path: Path) -> tuple[TorchBackend, AtbBackend, StandInTorchNpu]:
     source = resolve_model(path)
-    ref = TorchBackend(source, name="ref", dtype="float32", platform=Platform())
+    ref = TorchBackend(source, name="ref", dtype="float32", quantization="none", platform=Platform())
     ref.load()
     ref.allocate_kv_cache(32, BLOCK)
     standin = StandInTorchNpu()

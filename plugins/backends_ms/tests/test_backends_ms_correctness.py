@@ -34,7 +34,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _pair(path: str | Path, num_blocks: int = 64) -> tuple[TorchBackend, MsBackend]:
     source = resolve_model(path)
-    ref = TorchBackend(source, name="ref", dtype="float32", platform=Platform())
+    ref = TorchBackend(source, name="ref", dtype="float32", quantization="none", platform=Platform())
     ref.load()
     ref.allocate_kv_cache(num_blocks, BLOCK)
     ms = MsBackend(source, name="ms")

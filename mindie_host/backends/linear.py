@@ -1,0 +1,153 @@
+"""Weight formats for the matrix products of the torch backends on CPU.
+
+:meth:`Platform.prepare_linear <mindie_host.backends.platform.Platform.prepare_linear>`
+turns each ``[out, in]`` weight into one of these, and :meth:`Platform.linear` calls it:
+
+- :class:`PackedWeight`: fp32, plus MKL-packed copies for the 8-64 row products of batched decode;
+- :class:`FourBitWeight`: a matrix the GGUF file stores as 4-bit groups (Q4_0, Q4_1), read
+  as those groups by torch's int4 kernel for products of few rows;
+- :class:`Int8Weight`: a matrix the file stores as 8-bit (Q8_0), read as int8 per output
+  channel by torch's weight-only int8 kernel for products of few rows.
+
+Decode of few sequences on CPU is bound by reading weights, so bytes per weight decide
+the speed of one-row products; products of many rows are bound by arithmetic, where
+MKL's fp32 GEMM is the fastest kernel here, so the low-bit formats keep a dense copy
+for those. Activations stay in floating point (bfloat16 for the low-bit kernels):
+int8 activations cost too much accuracy on small models (bench/PERF.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..models.weights import FourBitGroups
+
+
+def mkl_packing_available() -> bool:
+    """Whether MKL's packed GEMM can be used (x86 builds of torch; ``MINDIE_HOST_MKL_PACK=0`` turns it off)."""
+    if os.environ.get("MINDIE_HOST_MKL_PACK", "1") == "0":
+        return False
+    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def low_bit_kernels_available() -> bool:
+    """Whether torch has its CPU int4-group and int8 weight-only products (``MINDIE_HOST_LOW_BIT=0`` turns them off)."""
+    if os.environ.get("MINDIE_HOST_LOW_BIT", "1") == "0":
+        return False
+    aten = torch.ops.aten
+    return all(
+        hasattr(aten, op)
+        for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm")
+    )
+
+
+def dense_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain tensor or a :class:`PackedWeight`."""
+    return weight(x, bias) if isinstance(weight, PackedWeight) else F.linear(x, weight, bias)
+
+
+class PackedWeight:
+    """An fp32 weight plus MKL-packed copies for batch-size buckets.
+
+    A product whose row count falls in a bucket range is padded up to the bucket
+    and runs as a packed GEMM; others (one or two rows, long prefills) use the
+    plain weight.
+    """
+
+    BUCKETS = (8, 16, 32, 64)
+
+    def __init__(self, weight: torch.Tensor, buckets: tuple[int, ...] = BUCKETS) -> None:
+        self.weight = weight
+        self.buckets = buckets
+        self.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m) for m in buckets}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        # (inductor lowers packed MKL products only for frozen constants, so compiled graphs use F.linear)
+        if x.dim() != 2 or rows < 3 or rows > self.buckets[-1] or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, bias)
+        bucket = next(b for b in self.buckets if b >= rows)
+        if bucket != rows:
+            x = F.pad(x, (0, 0, 0, bucket - rows))
+        out = torch.ops.mkl._mkl_linear(x.contiguous(), self.packed[bucket], self.weight, bias, bucket)
+        return out[:rows] if bucket != rows else out
+
+
+class LowBitWeight:
+    """A weight with a low-bit copy for products of at most ``max_rows`` rows and a dense one for the rest.
+
+    Subclasses say how the low-bit copy is made and multiplied (:meth:`small_product`).
+    Both copies hold the model file's values; the low-bit kernels take bfloat16
+    activations and return float32 here.
+    """
+
+    #: up to this many rows the low-bit kernels are at least as fast as MKL's packed fp32 product (bench/PERF.md)
+    max_rows = 16
+
+    def __init__(self, dense: Any) -> None:
+        self.dense = dense
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+    def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.max_rows:
+            return dense_linear(self.dense, x, bias)
+        out = self.small_product(x.to(torch.bfloat16)).to(x.dtype)
+        return out if bias is None else out + bias
+
+
+class FourBitWeight(LowBitWeight):
+    """The file's 4-bit groups, multiplied by ``_weight_int4pack_mm_for_cpu``.
+
+    The kernel reads half a byte per weight: a one-row product of the default model's
+    30 layers takes 4.6 ms instead of 15.8 ms in fp32 on two AVX-512 cores.
+    """
+
+    def __init__(self, groups: FourBitGroups, dense: Any) -> None:
+        super().__init__(dense)
+        codes = torch.from_numpy(groups.codes).to(torch.int32).contiguous()
+        scale = torch.from_numpy(groups.scale)
+        zero = torch.from_numpy(groups.offset) + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.group_size = groups.group_size
+
+    def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+class Int8Weight(LowBitWeight):
+    """int8 codes with one scale per output channel, multiplied by ``_weight_int8pack_mm``.
+
+    For matrices the file stores as 8-bit blocks (Q8_0, such as the default model's
+    tied embedding / LM head): re-grouping the blocks per channel moves each weight by
+    at most half a step of its row's scale. A one-row LM-head product takes 1.3 ms
+    instead of 2.2 ms in fp32; from 8 rows on, MKL's packed fp32 product is faster.
+    """
+
+    max_rows = 4
+
+    def __init__(self, dense: Any) -> None:
+        super().__init__(dense)
+        weight = dense.weight if isinstance(dense, PackedWeight) else dense
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.codes = torch.round(weight / scale[:, None]).to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+
+    def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
