@@ -137,9 +137,11 @@ class Platform:
     ) -> torch.Tensor:
         """Causal attention of the new tokens over each sequence's cached context.
 
-        q: [T, H, D] -> returns [T, H, D].
+        q: [T, H, D] -> returns [T, H, D]. Queries of different lengths are padded to the longest
+        and run as one batch when that at most doubles the rows (a wave of short prompts); otherwise
+        (decodes next to a long prefill chunk) they run ragged.
         """
-        if meta.pad_index is not None:
+        if meta.pad_index is not None and meta.num_seqs * meta.max_query_len > 2 * q.shape[0]:
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         heads, dim = q.shape[1], q.shape[2]

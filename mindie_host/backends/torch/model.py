@@ -217,7 +217,8 @@ class TorchLlama:
         """
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         self.compiled_max_seqs = max_seqs
-        self.compiled_decode = torch.compile(self._decode)
+        # a C++ wrapper around the generated kernels saves ~0.5 ms of Python per step
+        self.compiled_decode = torch.compile(self._decode, options={"cpp_wrapper": True})
 
     def _decode(
         self,
