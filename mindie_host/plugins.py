@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,8 @@ class PluginHost:
         self.pm = pluggy.PluginManager("mindie_host")
         self.pm.add_hookspecs(hookspecs)
         self.enabled: list[str] = []
+        # `mindie-host serve` loads the model on the main thread while the HTTP thread starts; both enable plugins
+        self._enable_lock = threading.Lock()
         for module_name in BUILTIN_PLUGINS:
             self.pm.register(importlib.import_module(module_name), name=f"builtin:{module_name}")
 
@@ -120,6 +123,10 @@ class PluginHost:
 
         ``backendType`` values served by a builtin (``torch``) need no plugin.
         """
+        with self._enable_lock:
+            self._enable(config)
+
+    def _enable(self, config: Config) -> None:
         available = {ep.name: ep for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
         for name in enabled_plugin_names(config):
             if self.pm.has_plugin(name):
