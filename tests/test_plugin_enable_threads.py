@@ -28,14 +28,14 @@ def test_enabling_the_same_plugins_from_many_threads_registers_each_once(monkeyp
         start = threading.Barrier(8)
         errors: list[BaseException] = []
 
-        def enable() -> None:
+        def enable(host: PluginHost, start: threading.Barrier, errors: list[BaseException]) -> None:
             start.wait()
             try:
                 host.enable_from_config(cfg)
-            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            except BaseException as exc:  # collected and asserted below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=enable) for _ in range(8)]
+        threads = [threading.Thread(target=enable, args=(host, start, errors)) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
