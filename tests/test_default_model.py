@@ -73,3 +73,49 @@ def test_greedy_matches_transformers_on_default_model() -> None:
                                  eos_token_id=None, min_new_tokens=16, pad_token_id=0)[0, len(ids):].tolist()
         out = run_engine(host, [EngineRequest(f"q{i}", ids, SamplingParams(max_tokens=16, ignore_eos=True))])[f"q{i}"]
         assert out.token_ids == ref, q
+
+
+def _teacher_forced_logits(host, seqs: list[list[int]], batched: bool) -> list[torch.Tensor]:
+    """Feed each sequence one token per decode step (all together when ``batched``); next-token logits per step."""
+    from mindie_host.backends.base import ModelInput
+
+    backend, block = host.backend, host.config.schedule.cacheBlockSize
+    blocks = -(-max(len(s) for s in seqs) // block)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(seqs))]
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for group in ([list(range(len(seqs)))] if batched else [[i] for i in range(len(seqs))]):
+        for t in range(max(len(seqs[i]) for i in group) - 1):
+            live = [i for i in group if t < len(seqs[i]) - 1]
+            logits = backend.execute(ModelInput(
+                input_ids=[seqs[i][t] for i in live], positions=[t] * len(live), query_lens=[1] * len(live),
+                context_lens=[t + 1] * len(live), block_tables=[tables[i] for i in live],
+                logits_indices=list(range(len(live))), adapter_indices=[-1] * len(live),
+            ))
+            for j, i in enumerate(live):
+                out[i].append(logits[j])
+    return [torch.stack(o) for o in out]
+
+
+def test_low_bit_weights_keep_the_default_models_next_tokens() -> None:
+    """quantization "auto" (the file's 4-bit groups, bf16 activations, int8 head) against the fp32 reference."""
+    ref = loaded_host(server_config(None, model={"quantization": "none"}))
+    tok = ref.tokenizer
+    questions = ["Explain why the sky is blue.", "Give me a recipe for pancakes.", "Compare cats and dogs as pets.",
+                 "How do plants make food from sunlight?"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for q in questions]
+    outs = run_engine(ref, [EngineRequest(f"q{i}", p, SamplingParams(max_tokens=24, ignore_eos=True))
+                            for i, p in enumerate(prompts)])
+    seqs = [p + outs[f"q{i}"].token_ids for i, p in enumerate(prompts)]
+    want = _teacher_forced_logits(ref, seqs, batched=False)
+    del ref
+    auto = loaded_host(server_config(None))
+    assert type(auto.backend.model.layers[0].qkv).__name__ == "FourBitWeight"
+    for batched in (False, True):
+        got = _teacher_forced_logits(auto, seqs, batched)
+        agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want)) / sum(len(w) for w in want)
+        kl = sum(float(torch.nn.functional.kl_div(g.log_softmax(-1), w.log_softmax(-1), log_target=True,
+                                                   reduction="batchmean")) for g, w in zip(got, want)) / len(want)
+        assert agree >= 0.95, (batched, agree)
+        assert kl < 0.01, (batched, kl)
