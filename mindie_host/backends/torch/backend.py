@@ -134,7 +134,9 @@ class TorchBackend(ModelBackend):
             block_tables=[[0]], logits_indices=[1], adapter_indices=[-1],
         )
         self.execute(batch)
-        if self.compile_decode and self.model is not None:
+        if self.compile_decode and self.platform.device_type not in ("cpu", "cuda"):
+            log.warning("compile is only supported on cpu and cuda; %s runs eager", self.platform.name)
+        elif self.compile_decode and self.model is not None:
             log.info("compiling the decode step (torch.compile; cached on disk after the first time)")
             self.model.compile_decode(self.COMPILED_MAX_SEQS)
             for seqs in (1, 2):  # one sequence is its own graph (size-1 dims are specialized)
