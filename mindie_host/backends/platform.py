@@ -104,9 +104,12 @@ class Platform:
         (:mod:`mindie_host.backends.linear`)."""
         if self.device_type != "cpu" or weight.dtype != torch.float32:
             return weight
-        dense: Any = PackedWeight(weight) if mkl_packing_available() else weight
         if stored is None or not low_bit_kernels_available():
-            return dense
+            return PackedWeight(weight) if mkl_packing_available() else weight
+        low_bit: type[LowBitWeight] = Int8Weight if stored == "int8" else FourBitWeight
+        # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
+        buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
+        dense: Any = PackedWeight(weight, buckets) if mkl_packing_available() and buckets else weight
         return Int8Weight(dense) if stored == "int8" else FourBitWeight(stored, dense)  # type: ignore[arg-type]
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
