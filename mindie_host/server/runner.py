@@ -93,6 +93,12 @@ def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
     return BusinessGuard(app, host.config, gate, is_business, ready=lambda: host.ready or host.draining)
 
 
+#: Idle keep-alive connections are closed after this long. Longer than the 5 s after which httpx-based clients
+#: (openai, the MindIE client) drop idle pooled connections, so a client never reuses a connection the server is
+#: closing at that moment (uvicorn's default is also 5 s, which made that race possible).
+KEEP_ALIVE_SECONDS = 75
+
+
 async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None,
                 engine_thread: bool = True, loaded: Any = None) -> None:
     """Run every listener until SIGTERM/SIGINT (or the stop event in ``host.state``).
@@ -109,7 +115,7 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         app = guard(host, build_app(host, listener.planes), listener.planes)
         cfg = uvicorn.Config(
             app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=5, **listener.ssl,
+            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS, **listener.ssl,
         )
         servers.append(_Server(cfg))
     loop = asyncio.get_running_loop()

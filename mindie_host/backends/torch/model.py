@@ -134,18 +134,20 @@ class TorchLlama:
         num_seqs = batch.num_seqs
         max_q = max(batch.query_lens)
         max_ctx = max(batch.context_lens)
-        slots: list[int] = []
-        gather = torch.zeros(num_seqs, max_ctx, dtype=torch.long)
-        offsets = torch.arange(max_ctx)
-        for i, (q_len, ctx, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
-            tbl = torch.tensor(table, dtype=torch.long)
-            seq_slots = tbl[offsets[:ctx] // block_size] * block_size + offsets[:ctx] % block_size
-            gather[i, :ctx] = seq_slots
-            slots.extend(seq_slots[ctx - q_len : ctx].tolist())
+        max_blocks = -(-max_ctx // block_size)
+        tables = torch.tensor(
+            [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in batch.block_tables], dtype=torch.long
+        )  # [B, max_blocks], padded with block 0
         q_lens = torch.tensor(batch.query_lens)
         ctx_lens = torch.tensor(batch.context_lens)
+        offsets = torch.arange(max_ctx)
+        valid = offsets.unsqueeze(0) < ctx_lens.unsqueeze(1)  # [B, max_ctx]
+        # cache slot of every context position of every sequence; padding points at slot 0
+        gather = (tables[:, offsets // block_size] * block_size + offsets % block_size) * valid
+        is_new = valid & (offsets.unsqueeze(0) >= (ctx_lens - q_lens).unsqueeze(1))
+        slot_mapping = gather[is_new]  # the new tokens' slots, sequence by sequence, in position order
         if max_q == 1:
-            mask = (offsets.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(num_seqs, 1, 1, max_ctx)
+            mask = valid.view(num_seqs, 1, 1, max_ctx)
             pad_index = None
         else:
             qi = torch.arange(max_q)
@@ -162,7 +164,7 @@ class TorchLlama:
             if bool((q_lens == max_q).all()):
                 pad_index = None
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping.to(device),
             gather_index=gather.to(device),
             attn_mask=mask.to(device),
             pad_index=None if pad_index is None else pad_index.to(device),

@@ -54,7 +54,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cfg(model: Path, plugins: str, **schedule: Any) -> dict[str, Any]:
-    sched: dict[str, Any] = {"cacheBlockSize": 16, "maxBatchSize": 8, "maxPrefillBatchSize": 8, "maxIterTimes": 64}
+    sched: dict[str, Any] = {"cacheBlockSize": 16, "maxBatchSize": 8, "maxPrefillBatchSize": 8, "maxIterTimes": 256}
     if "splitfuse" in plugins:
         sched.update({"templateType": "Mix", "enableSplit": True, "splitChunkTokens": CHUNK,
                       "splitStartBatchSize": 0})
@@ -82,7 +82,7 @@ def _run(server: RunningServer) -> list[Output]:
         return [rng.randrange(1000, 20000) for _ in range(n)]
 
     shared = toks(120)
-    jobs = [(toks(20), 48, 0.0) for _ in range(4)]
+    jobs = [(toks(20), 200, 0.0) for _ in range(4)]  # still decoding when the long prompts arrive (0.3-1.1 s)
     jobs += [(toks(rng.randrange(150, 300)), 12, 0.3 + 0.2 * i) for i in range(3)]
     jobs += [(shared + toks(30 + 10 * i), 12, 0.5 + 0.3 * i) for i in range(3)]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
