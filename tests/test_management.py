@@ -331,8 +331,14 @@ def test_logs_carry_request_ids_and_no_prompt_text(tiny_server: RunningServer, t
                                                                     "max_tokens": -1}, timeout=60)
         assert bad.status_code == 422
         auto_id = bad.headers["x-request-id"]
-        for handler in root.handlers:
-            handler.flush()
+        # the access line is written once the response has been sent, so it may land just after the client returns
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            for handler in root.handlers:
+                handler.flush()
+            if log_file.exists() and f"[req={auto_id}]" in log_file.read_text():
+                break
+            time.sleep(0.05)
     finally:
         for handler in list(root.handlers):
             root.removeHandler(handler)
