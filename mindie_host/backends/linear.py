@@ -19,6 +19,7 @@ int8 activations cost too much accuracy on small models (bench/PERF.md).
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,9 +47,9 @@ def low_bit_kernels_available() -> bool:
     )
 
 
-def dense_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a plain tensor or a :class:`PackedWeight`."""
-    return weight(x, bias) if isinstance(weight, PackedWeight) else F.linear(x, weight, bias)
+def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain tensor or any weight format of this module (they are callables)."""
+    return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
 
 
 class PackedWeight:
@@ -82,7 +83,7 @@ class PackedWeight:
         return out[:rows] if bucket != rows else out
 
 
-class LowBitWeight:
+class LowBitWeight(ABC):
     """A weight with a low-bit copy for products of at most ``max_rows`` rows and a dense one for the rest.
 
     Subclasses say how the low-bit copy is made and multiplied (:meth:`small_product`).
@@ -100,13 +101,13 @@ class LowBitWeight:
     def shape(self) -> torch.Size:
         return self.dense.shape
 
+    @abstractmethod
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
-        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows:
-            return dense_linear(self.dense, x, bias)
+            return apply_linear(self.dense, x, bias)
         out = self.small_product(x.to(torch.bfloat16)).to(x.dtype)
         return out if bias is None else out + bias
 

@@ -21,6 +21,7 @@ from .linear import (
     Int8Weight,
     LowBitWeight,
     PackedWeight,
+    apply_linear,
     low_bit_kernels_available,
     mkl_packing_available,
 )
@@ -114,9 +115,7 @@ class Platform:
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear`."""
-        if isinstance(weight, (PackedWeight, LowBitWeight)):
-            return weight(x, bias)
-        return F.linear(x, weight, bias)
+        return apply_linear(weight, x, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension."""
