@@ -463,7 +463,8 @@ class ModelConfig:
     precision and where the torch backend runs; ``quantization`` says whether CPU decode
     reads a GGUF file's 4- and 8-bit matrices in that form for products of few rows
     (``auto``) or only their dequantized values (``none``); ``compile`` runs decode steps
-    of up to 16 sequences through ``torch.compile`` (compiled at start-up); ``maxKvBlocks`` caps the KV-cache pool
+    of up to 16 sequences through ``torch.compile`` on CPU (compiled at start-up) and replays
+    decode steps from CUDA graphs on CUDA (captured at start-up); ``maxKvBlocks`` caps the KV-cache pool
     below what the memory budget allows (0 = no cap); the sampling keys (``temperature`` ...
     ``do_sample``) are per-model defaults for requests that leave them out (``None`` = not
     set, fall back to the model's generation config).

@@ -40,10 +40,18 @@ def make_tiny_llama(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Write a random tiny Llama with the SmolLM2 tokenizer into ``directory``; returns the path."""
+    """Write a random tiny Llama with the SmolLM2 tokenizer into ``directory``; returns the path.
+
+    The tokenizer comes from the default model, or from ``tokenizer_dir`` (an HF directory
+    holding it, e.g. where the default model's package is not installed; the environment
+    variable ``MINDIE_HOST_TEST_TOKENIZER`` sets it too).
+    """
+    import os
+
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from .models.default import default_model_path
     from .models.weights import resolve_model
@@ -52,7 +60,11 @@ def make_tiny_llama(
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
-    tokenizer = load_tokenizer(resolve_model(default_model_path()))
+    tokenizer_dir = tokenizer_dir or os.environ.get("MINDIE_HOST_TEST_TOKENIZER")
+    if tokenizer_dir:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    else:
+        tokenizer = load_tokenizer(resolve_model(default_model_path()))
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -134,6 +134,12 @@ class Platform:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """Masked attention of ``q [B, H, q, D]`` over ``k, v [B, KV, ctx, D]`` (grouped heads when KV < H)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -155,13 +161,8 @@ class Platform:
             qb = q.new_zeros(num_seqs * max_q, heads, dim)
             qb[meta.pad_index] = q
             qb = qb.view(num_seqs, max_q, heads, dim)
-        out = F.scaled_dot_product_attention(
-            qb.transpose(1, 2).to(keys.dtype),
-            keys,
-            values,
-            attn_mask=meta.attn_mask,
-            scale=scale,
-            enable_gqa=keys.shape[1] != heads,
+        out = self.attention(
+            qb.transpose(1, 2).to(keys.dtype), keys, values, meta.attn_mask, scale
         )  # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, dim).to(q.dtype)
         if meta.pad_index is not None:
@@ -179,7 +180,6 @@ class Platform:
         """
         heads, dim = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
-        gqa = k_cache.shape[-2] != heads
         starts = [0]
         for n in meta.query_lens:
             starts.append(starts[-1] + n)
@@ -191,13 +191,12 @@ class Platform:
             rows = torch.tensor([starts[i] for i in singles], device=q.device)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) < torch.tensor(
                 [meta.context_lens[i] for i in singles], device=q.device).unsqueeze(1)
-            o = F.scaled_dot_product_attention(
+            o = self.attention(
                 q[rows].unsqueeze(2).to(k_cache.dtype),  # [b, H, 1, D]
                 gather_slots(k_cache, slots).transpose(1, 2),  # [b, KV, ctx, D]
                 gather_slots(v_cache, slots).transpose(1, 2),
-                attn_mask=mask.view(len(singles), 1, 1, ctx),
-                scale=scale,
-                enable_gqa=gqa,
+                mask.view(len(singles), 1, 1, ctx),
+                scale,
             )
             out[rows] = o.squeeze(2).to(q.dtype)
         for i, n in enumerate(meta.query_lens):
@@ -208,13 +207,12 @@ class Platform:
             qi = q[starts[i] : starts[i] + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-            o = F.scaled_dot_product_attention(
+            o = self.attention(
                 qi.to(k_cache.dtype),
                 gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
                 gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0),
-                attn_mask=mask.view(1, 1, n, ctx),
-                scale=scale,
-                enable_gqa=gqa,
+                mask.view(1, 1, n, ctx),
+                scale,
             )
             out[starts[i] : starts[i] + n] = o[0].transpose(0, 1).to(q.dtype)
         return out.reshape(q.shape[0], heads, dim)
@@ -251,6 +249,19 @@ class CudaPlatform(Platform):
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    #: attention kernels used, in torch's order of preference. cuDNN's is left out: it builds an
+    #: execution plan for every new shape (tens of ms each), and a serving step's context length
+    #: changes every step (bench/PERF.md, round 3)
+    ATTENTION_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, b) for b in self.ATTENTION_BACKENDS]):
+            return super().attention(q, k, v, mask, scale)
 
 
 PLATFORMS: dict[str, type[Platform]] = {"cpu": Platform, "cuda": CudaPlatform}

@@ -98,6 +98,10 @@ class Sampler:
             i for i in range(rows)
             if params[i].needs_penalties or allowed[i] is not None or banned[i] or not params[i].greedy
         ]
+        if special and logits.device.type != "cpu":
+            # penalties, masks and seeded draws run on the CPU, with the request's CPU generator,
+            # so a seeded request draws the same tokens on every device
+            logits = logits.cpu()
         if special and logits.is_inference():
             logits = logits.clone()  # penalties and masks edit rows in place; inference tensors forbid that
         for i in special:

@@ -35,6 +35,12 @@ class TorchBackend(ModelBackend):
     CPU decode of few sequences reads them at 4 or 8 bits; ``"none"`` uses only the
     dequantized values (the reference numerics). Full-precision checkpoints are the
     same either way.
+
+    ``compile_decode`` makes decode steps cheap to launch: on CPU through
+    ``torch.compile`` (inductor), on CUDA as replays of CUDA graphs captured per
+    batch/context bucket (:mod:`~mindie_host.backends.torch.graphs`).
+    ``decode_graphs`` forces the bucketed graph path on or off (on CPU it then runs
+    the padded step eagerly, which tests use).
     """
 
     backend_type = "torch"
@@ -47,6 +53,7 @@ class TorchBackend(ModelBackend):
         dtype: str = "auto",
         quantization: str = "auto",
         compile_decode: bool = False,
+        decode_graphs: bool | None = None,
         platform: Platform | None = None,
         progress: Any = None,
     ) -> None:
@@ -59,6 +66,9 @@ class TorchBackend(ModelBackend):
             raise ValueError(f"quantization {quantization!r} not supported; allowed: auto, none")
         self.quantization = quantization
         self.compile_decode = compile_decode
+        self.decode_graphs = (
+            compile_decode and self.platform.device_type == "cuda" if decode_graphs is None else decode_graphs
+        )
         self.progress = progress
         self.arch: LlamaArch | None = None
         self.model: TorchLlama | None = None
@@ -101,13 +111,19 @@ class TorchBackend(ModelBackend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.arch is not None
-        shape = self.platform.kv_cache_shape(num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # decode graphs pad batches with rows that write to a spare block no sequence owns
+        spare = 1 if self.decode_graphs else 0
+        shape = self.platform.kv_cache_shape(num_blocks + spare, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
             for _ in range(self.arch.num_layers)
         ]
         self.block_size = block_size
+        if self.decode_graphs and self.model is not None:
+            self.model.enable_graphs(
+                self.kv_caches, num_blocks * block_size, self.GRAPH_MAX_SEQS, self.GRAPH_MAX_CONTEXT
+            )
 
     # -- forward -----------------------------------------------------------------------------
     def execute(self, batch: ModelInput) -> torch.Tensor:
@@ -123,8 +139,14 @@ class TorchBackend(ModelBackend):
         self.lora = runtime
         return True
 
-    #: decode steps of up to this many sequences run compiled when ``compile_decode`` is on
+    #: decode steps of up to this many sequences run compiled when ``compile_decode`` is on (CPU)
     COMPILED_MAX_SEQS = 16
+    #: decode graphs serve steps of up to this many sequences and context tokens (CUDA)
+    GRAPH_MAX_SEQS = 256
+    GRAPH_MAX_CONTEXT = 8192
+    #: buckets captured at warm-up (the others on first use)
+    GRAPH_WARM_SEQS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    GRAPH_WARM_CONTEXTS = (128, 256)
 
     def warmup(self) -> None:
         if not self.kv_caches:
@@ -134,7 +156,14 @@ class TorchBackend(ModelBackend):
             block_tables=[[0]], logits_indices=[1], adapter_indices=[-1],
         )
         self.execute(batch)
-        if self.compile_decode and self.platform.device_type not in ("cpu", "cuda"):
+        graphs = self.model.graphs if self.model is not None else None
+        if graphs is not None:
+            log.info("capturing decode graphs for %d batch sizes", len(self.GRAPH_WARM_SEQS))
+            for ctx in self.GRAPH_WARM_CONTEXTS:
+                for seqs in self.GRAPH_WARM_SEQS:
+                    if graphs.covers(seqs, ctx):
+                        graphs.capture(seqs, ctx)
+        elif self.compile_decode and self.platform.device_type not in ("cpu", "cuda"):
             log.warning("compile is only supported on cpu and cuda; %s runs eager", self.platform.name)
         elif self.compile_decode and self.model is not None:
             log.info("compiling the decode step (torch.compile; cached on disk after the first time)")

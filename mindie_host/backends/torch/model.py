@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ...models.weights import FourBitGroups, LlamaArch
 from ..base import ModelInput
 from ..platform import AttentionMetadata, Platform
+from .graphs import DecodeGraphs
 
 
 @dataclass
@@ -124,6 +125,7 @@ class TorchLlama:
         self.compiled_decode: Any = None
         self.compiled_max_seqs = 0
         self.compiled_steps = 0  # decode steps that ran compiled (for stats and tests)
+        self.graphs: DecodeGraphs | None = None
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -189,6 +191,15 @@ class TorchLlama:
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
         if (
+            self.graphs is not None
+            and lora is None
+            and meta.max_query_len == 1
+            and meta.attn_mask is not None
+            and len(batch.logits_indices) == meta.num_seqs  # every row's logits, in order
+            and self.graphs.covers(meta.num_seqs, meta.max_context_len)
+        ):
+            return self.graphs.run(ids, pos, meta.slot_mapping, meta.gather_index, meta.attn_mask)
+        if (
             self.compiled_decode is not None
             and lora is None
             and meta.max_query_len == 1
@@ -221,6 +232,25 @@ class TorchLlama:
         self.compiled_max_seqs = max_seqs
         # a C++ wrapper around the generated kernels saves ~0.5 ms of Python per step
         self.compiled_decode = torch.compile(self._decode, options={"cpp_wrapper": True})
+
+    def enable_graphs(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_slot: int, max_seqs: int, max_context: int
+    ) -> DecodeGraphs:
+        """Serve decode steps (no LoRA) from padded buckets, replayed as CUDA graphs on CUDA devices.
+
+        ``kv_caches`` must stay where they are from now on (graphs hold their addresses);
+        ``scratch_slot`` is a cache slot no sequence owns, where padded rows write.
+        """
+        kv_flat = [t for pair in kv_caches for t in pair]
+
+        def step(*inputs: torch.Tensor) -> torch.Tensor:  # ids, positions, rows, slots, gather index, mask
+            hidden = self._decode(*inputs, kv_flat)  # type: ignore[call-arg]
+            return self.platform.linear(hidden, self.lm_head_linear).float()
+
+        max_context = min(max_context, self.arch.max_position_embeddings)
+        use_graphs = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(step, self.device, scratch_slot, max_seqs, max_context, use_graphs)
+        return self.graphs
 
     def _decode(
         self,
