@@ -19,7 +19,16 @@ blocks, the counterpart of llama-server's default per-slot prompt cache. The sys
 
 Peers: llama.cpp's ``llama-server`` (found through ``$LLAMA_SERVER`` or ``PATH``),
 ``transformers serve --continuous-batching`` (needs ``transformers[serving]`` and
-an HF directory converted from the GGUF, ``$TRANSFORMERS_SERVE_DIR``).
+an HF directory converted from the GGUF, ``$TRANSFORMERS_SERVE_DIR``), and
+``hf-generate``: plain ``model.generate`` on static batches of ``conc`` prompts
+(the same prompts and chat template; TTFT is a one-token ``generate`` of the batch).
+
+On a GPU, ``--model`` names an HF directory that every system serves (for example
+one written by ``bench/make_random_llama.py``) and ``--device cuda`` puts them all on
+the GPU::
+
+    python bench/peers.py --model DIR --device cuda --dtype bfloat16 \
+        --systems mindie,hf-generate,transformers --config bench/configs/peers-cuda.json
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -49,8 +59,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.time() + timeout
+START_TIMEOUT = float(os.environ.get("PEERS_START_TIMEOUT", 600))
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float | None = None) -> None:
+    deadline = time.time() + (timeout or START_TIMEOUT)
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited early ({proc.returncode})")
@@ -72,9 +85,15 @@ def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[s
         cmd += ["--config", config]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if args.device:
+        cmd += ["--device", args.device]
+    name = "SmolLM2-135M-Instruct"
+    if args.model:
+        name = Path(args.model).name
+        cmd += ["--model", args.model, "--model-name", name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file(args, "mindie"))
     wait_ready(f"http://127.0.0.1:{mport}/v2/health/ready", proc)
-    return proc, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct"
+    return proc, f"http://127.0.0.1:{port}", name
 
 
 def start_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str] | None:
@@ -90,16 +109,110 @@ def start_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str,
     return proc, f"http://127.0.0.1:{port}", "default"
 
 
+def hf_directory(args: argparse.Namespace) -> str | None:
+    """The HF model directory the transformers-based peers load."""
+    return args.model or os.environ.get("TRANSFORMERS_SERVE_DIR")
+
+
+def log_file(args: argparse.Namespace, name: str) -> Any:
+    """Where a server's stderr goes: ``--logs DIR/NAME.log``, or nowhere."""
+    if not args.logs:
+        return subprocess.DEVNULL
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    return open(Path(args.logs) / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the server)
+
+
 def start_transformers(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str] | None:
-    directory = os.environ.get("TRANSFORMERS_SERVE_DIR")
+    directory = hf_directory(args)
     exe = shutil.which("transformers")
     if not directory or not exe:
         return None
     port = free_port()
-    proc = subprocess.Popen([exe, "serve", directory, "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+    device = args.device or "cpu"
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    proc = subprocess.Popen([exe, "serve", directory, "--continuous-batching", "--device", device, "--dtype", dtype,
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log_file(args, "transformers"))
+    wait_ready(f"http://127.0.0.1:{port}/health", proc)  # /v1/models scans the hub cache
     return proc, f"http://127.0.0.1:{port}", directory
+
+
+def loadgen_prompts() -> list[str]:
+    """The load generator's prompts, read from its source (it runs on import)."""
+    import ast
+
+    tree = ast.parse(LOADGEN.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PROMPTS" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError(f"no PROMPTS in {LOADGEN}")
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """The loadgen's percentile (linear between closest ranks)."""
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    f = int(k)
+    c = min(f + 1, len(xs) - 1)
+    return xs[f] + (xs[c] - xs[f]) * (k - f)
+
+
+def run_hf_generate(args: argparse.Namespace, concs: list[int]) -> dict[int, dict[str, float]] | None:
+    """``model.generate`` on static batches of ``conc`` chat prompts: the no-server baseline.
+
+    Output tok/s counts the new tokens up to each row's EOS over the time of the full
+    ``generate`` calls; TTFT is a one-token ``generate`` of the same batch (its prefill);
+    TPOT is the rest of the batch's time over its remaining tokens.
+    """
+    directory = hf_directory(args)
+    if not directory:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = args.device or "cpu"
+    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.padding_side = "left"
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in loadgen_prompts()]
+
+    def generate(batch: list[str], new: int) -> tuple[torch.Tensor, float, int]:
+        enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=new, min_new_tokens=0, do_sample=False, pad_token_id=pad_id)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return out[:, enc["input_ids"].shape[1]:], time.perf_counter() - t0, enc["input_ids"].shape[1]
+
+    generate(texts[:2], 4)  # warm-up, not counted
+    results: dict[int, dict[str, float]] = {}
+    for c in concs:
+        n = N_FOR_CONC.get(c, 4 * c)
+        prompts = [texts[i % len(texts)] for i in range(n)]
+        tokens, busy, ttfts, tpots = 0, 0.0, [], []
+        for start in range(0, n, c):
+            batch = prompts[start:start + c]
+            _, ttft, _ = generate(batch, 1)
+            out, took, _ = generate(batch, args.max_tokens)
+            counts = []
+            for row in out.tolist():
+                ends = [i for i, t in enumerate(row) if t == tok.eos_token_id]
+                counts.append(ends[0] + 1 if ends else len(row))
+            tokens += sum(counts)
+            busy += took
+            ttfts += [ttft] * len(batch)
+            if max(counts) > 1:
+                tpots += [(took - ttft) / (max(counts) - 1)] * len(batch)
+        results[c] = {"n": n, "c": c, "errors": 0, "out_tok_s": round(tokens / busy, 1),
+                      "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+                      "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                      "tpot_p50_ms": round(1000 * percentile(tpots, 50), 1) if tpots else None,
+                      "tpot_p99_ms": round(1000 * percentile(tpots, 99), 1) if tpots else None}
+        print("hf-generate", c, results[c], file=sys.stderr, flush=True)
+    return results
 
 
 def start_mindie_defaults(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -108,8 +221,22 @@ def start_mindie_defaults(args: argparse.Namespace) -> tuple[subprocess.Popen[by
 
 SYSTEMS = {"mindie": start_mindie, "mindie-defaults": start_mindie_defaults, "llama": start_llama,
            "transformers": start_transformers}
+#: systems measured in this process rather than over HTTP
+OFFLINE = {"hf-generate": run_hf_generate}
 LABELS = {"mindie": "mindie-host", "mindie-defaults": "mindie-host (built-in defaults)",
-          "llama": "llama.cpp llama-server (Q4_1, -np 16)", "transformers": "transformers serve --continuous-batching"}
+          "llama": "llama.cpp llama-server (Q4_1, -np 16)", "transformers": "transformers serve --continuous-batching",
+          "hf-generate": "HF transformers generate (static batches)"}
+#: the first of these that ran is what the ratio column compares against
+REFERENCES = ("llama", "transformers", "hf-generate")
+
+
+def release_gpu_memory() -> None:
+    """Hand back what an in-process system cached on the GPU, so the servers after it see the memory free."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        sys.modules["torch"].cuda.empty_cache()
 
 
 def run_load(url: str, model: str, conc: int, n: int, max_tokens: int) -> dict[str, float]:
@@ -127,15 +254,31 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--config", default=str(ROOT / "bench" / "configs" / "peers.json"),
                     help="mindie-host config.json (default: bench/configs/peers.json; '' = the built-in defaults)")
-    ap.add_argument("--dtype", help="mindie-host weight dtype")
+    ap.add_argument("--dtype", help="weight dtype of mindie-host and the transformers peers")
+    ap.add_argument("--device", help="cpu or cuda, for mindie-host and the transformers peers (default: cpu)")
+    ap.add_argument("--model", help="HF model directory every system serves (default: the default model)")
+    ap.add_argument("--logs", help="directory for the servers' stderr logs")
+    ap.add_argument("--start-timeout", type=float, help="seconds a server may take to get ready (default 600)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
     args = ap.parse_args()
     if not LOADGEN.exists():
         print(f"load generator not found at {LOADGEN} (set LOADGEN=...)", file=sys.stderr)
         return 2
     concs = [int(c) for c in args.conc.split(",")]
+    if args.start_timeout:
+        global START_TIMEOUT
+        START_TIMEOUT = args.start_timeout
     results: dict[str, dict[int, dict[str, float]]] = {}
     for name in args.systems.split(","):
+        if name in OFFLINE:
+            offline = OFFLINE[name](args, concs)
+            if offline is None:
+                print(f"skipping {name}: no HF model directory (--model)", file=sys.stderr)
+            else:
+                results[name] = offline
+                save(args, results)
+            release_gpu_memory()
+            continue
         started = SYSTEMS[name](args)
         if started is None:
             print(f"skipping {name}: not installed", file=sys.stderr)
@@ -146,21 +289,32 @@ def main() -> int:
             for c in concs:
                 results.setdefault(name, {})[c] = run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), args.max_tokens)
                 print(name, c, results[name][c], file=sys.stderr, flush=True)
+                save(args, results)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "results": results}, indent=2))
+    save(args, results)
     print(table(results, concs))
     return 0
 
 
+def save(args: argparse.Namespace, results: dict[str, dict[int, dict[str, float]]]) -> None:
+    """Write the results so far to ``--out``."""
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "model": args.model, "device": args.device,
+                                          "results": results}, indent=2))
+
+
 def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> str:
-    ref = results.get("llama")
-    lines = ["| system | conc | out tok/s | ratio vs llama-server | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | errors |",
+    ref_name = next((r for r in REFERENCES if r in results), None)
+    ref = results.get(ref_name) if ref_name else None
+    against = {"llama": "llama-server", "transformers": "transformers serve", "hf-generate": "HF generate"}.get(
+        ref_name or "", "-")
+    lines = [f"| system | conc | out tok/s | ratio vs {against} | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+             "| errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, by_c in results.items():
         for c in concs:
