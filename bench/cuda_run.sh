@@ -38,7 +38,8 @@ timeout 120 python3 bench/cuda_sdpa_first_call.py 2>&1 | grep -v Warning | tee "
 
 echo "== benchmark"
 model=/tmp/smollm2-1.7b-random
-python3 bench/make_random_llama.py "$model" --device cuda --tokenizer "${TOKENIZER:-.gpu/tokenizer}" 2>&1 | tail -1
+# the default model's tokenizer, or $TOKENIZER (an HF tokenizer directory) where that package is not installed
+python3 bench/make_random_llama.py "$model" --device cuda ${TOKENIZER:+--tokenizer "$TOKENIZER"} 2>&1 | tail -1
 timeout "${BENCH_TIMEOUT:-420}" python3 bench/peers.py --model "$model" --device cuda --dtype bfloat16 \
   --config bench/configs/peers-cuda.json --systems "${SYSTEMS:-mindie,mindie-defaults,transformers,hf-generate}" \
   --conc "${CONC:-1,16,64}" --start-timeout 240 --logs "$out" --out "$out/peers-cuda.json" 2>&1 | tee "$out/bench.log"
