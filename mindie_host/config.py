@@ -460,7 +460,8 @@ class ModelConfig:
     """One ``ModelDeployConfig.ModelConfig[]`` entry: which model, where, on what backend.
 
     Extensions of this host, not in MindIE: ``dtype`` and ``device`` pick the weights'
-    precision and where the torch backend runs; ``quantization`` says whether CPU decode
+    precision and where the torch backend runs; ``kvCacheDtype`` the KV cache's (``auto``:
+    the weights'); ``quantization`` says whether CPU decode
     reads a GGUF file's 4- and 8-bit matrices in that form for products of few rows
     (``auto``) or only their dequantized values (``none``); ``compile`` runs decode steps
     of up to 16 sequences through ``torch.compile`` on CPU (compiled at start-up) and replays
@@ -486,6 +487,7 @@ class ModelConfig:
     plugin_params: str = _key("", _Rule("str", validator=_plugin_params_ok, text=_PLUGIN_PARAMS_TEXT))
     # extensions
     dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
+    kvCacheDtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))  # auto = the weights' dtype
     device: str = _key("auto", _choice("auto", "cpu", "cuda", "npu"))
     quantization: str = _key("auto", _choice("auto", "none"))
     compile: bool = _key(False, _BOOL)

@@ -26,6 +26,7 @@ def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any)
         resolve_model(path),
         name=name,
         dtype=model_config.dtype,
+        kv_cache_dtype=model_config.kvCacheDtype,
         quantization=model_config.quantization,
         compile_decode=model_config.compile,
         platform=select_platform(model_config.device),
