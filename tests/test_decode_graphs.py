@@ -98,3 +98,29 @@ def test_padded_rows_leave_the_cache_alone(tiny_model: Path, seqs: int) -> None:
     for (k, _), old in zip(backend.kv_caches, before):
         changed = set(torch.nonzero((k != old).flatten(1).any(dim=1)).flatten().tolist())
         assert changed == written
+
+
+def test_a_bucket_without_memory_for_its_graph_runs_unpadded(tiny_model: Path) -> None:
+    """Capture running out of device memory (the KV cache took most of it) costs speed, not the request."""
+    import torch
+
+    host = loaded_host(server_config(tiny_model, model={"device": "cpu"}), plugins=[(BucketedBackend(), "bucketed")])
+    graphs = host.backend.model.graphs
+    graphs.buckets.clear()
+    graphs.use_graphs = True
+
+    def capture(bucket: Any) -> None:
+        if bucket.ids.shape[0] == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    graphs._capture = capture  # other buckets "capture" nothing and run their padded step eagerly
+    got = run_engine(host, requests())
+    want = run_engine(loaded_host(server_config(tiny_model, model={"device": "cpu"})), requests())
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert (4, 128) in graphs.failed and (4, 128) not in graphs.buckets
+    assert not graphs.covers(4, 100) and graphs.covers(1, 200)
+    assert graphs.replays == 0  # all four decoded together: every step ran unpadded
+    solo = [EngineRequest("solo", [3, 1, 4, 1, 5], SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert run_engine(host, solo)["solo"].token_ids == run_engine(loaded_host(server_config(
+        tiny_model, model={"device": "cpu"})), solo)["solo"].token_ids
+    assert (1, 128) in graphs.buckets and graphs.replays == 5  # other buckets are still served

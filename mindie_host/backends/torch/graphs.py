@@ -20,11 +20,14 @@ padded static step eagerly, which is how its padding is tested without a GPU.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger("mindie_host.backends.torch.graphs")
 
 #: batch sizes a decode step is padded up to
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -90,13 +93,19 @@ class DecodeGraphs:
         self.max_context = max_context
         self.use_graphs = use_graphs
         self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.failed: set[tuple[int, int]] = set()  # buckets whose capture ran out of device memory
         self.pool: Any = None
         self.replays = 0  # steps served from a bucket (for stats and tests)
 
     def covers(self, num_seqs: int, context_len: int) -> bool:
         """Whether a decode step of this size can run from a bucket."""
         bucket = batch_bucket(num_seqs)
-        return bucket is not None and bucket <= self.max_seqs and context_bucket(context_len) <= self.max_context
+        return (
+            bucket is not None
+            and bucket <= self.max_seqs
+            and context_bucket(context_len) <= self.max_context
+            and (bucket, context_bucket(context_len)) not in self.failed
+        )
 
     def capture(self, num_seqs: int, context_len: int) -> None:
         """Capture (ahead of need) the bucket that serves steps of this size."""
@@ -109,10 +118,13 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         gather_index: torch.Tensor,
         attn_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` of one decode step (each sequence brings one token)."""
+    ) -> torch.Tensor | None:
+        """Logits ``[num_seqs, vocab]`` of one decode step (each sequence brings one token), or ``None``
+        when its bucket could not be captured (the caller then runs the step unpadded)."""
         n, ctx = gather_index.shape
         b = self._bucket(n, ctx)
+        if b is None:
+            return None
         b.ids.zero_()
         b.ids[:n].copy_(ids)
         b.positions.zero_()
@@ -135,10 +147,10 @@ class DecodeGraphs:
     def _call(self, b: _Bucket) -> torch.Tensor:
         return self.step(b.ids, b.positions, b.rows, b.slots, b.gather, b.mask)
 
-    def _bucket(self, num_seqs: int, context_len: int) -> _Bucket:
+    def _bucket(self, num_seqs: int, context_len: int) -> _Bucket | None:
         key = (batch_bucket(num_seqs) or num_seqs, context_bucket(context_len))
         found = self.buckets.get(key)
-        if found is not None:
+        if found is not None or key in self.failed:
             return found
         rows, ctx = key
         dev = self.device
@@ -152,8 +164,15 @@ class DecodeGraphs:
         )
         b.mask[:, :, :, 0] = True  # while capturing, every row is a padded row
         if self.use_graphs:
-            with torch.inference_mode():
-                self._capture(b)
+            try:
+                with torch.inference_mode():
+                    self._capture(b)
+            except torch.OutOfMemoryError:
+                # the KV cache took most of the device; steps of this size run eagerly, unpadded
+                log.warning("no device memory to capture the decode graph for %d sequences x %d tokens", *key)
+                self.failed.add(key)
+                torch.cuda.empty_cache()
+                return None
         self.buckets[key] = b
         return b
 

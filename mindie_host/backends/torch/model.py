@@ -198,7 +198,9 @@ class TorchLlama:
             and len(batch.logits_indices) == meta.num_seqs  # every row's logits, in order
             and self.graphs.covers(meta.num_seqs, meta.max_context_len)
         ):
-            return self.graphs.run(ids, pos, meta.slot_mapping, meta.gather_index, meta.attn_mask)
+            logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.gather_index, meta.attn_mask)
+            if logits is not None:
+                return logits
         if (
             self.compiled_decode is not None
             and lora is None
