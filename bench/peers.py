@@ -235,8 +235,9 @@ def release_gpu_memory() -> None:
     import gc
 
     gc.collect()
-    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        sys.modules["torch"].cuda.empty_cache()
+    torch = sys.modules.get("torch")  # loaded only by a system that ran in this process
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_load(url: str, model: str, conc: int, n: int, max_tokens: int) -> dict[str, float]:

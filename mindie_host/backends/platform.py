@@ -255,12 +255,17 @@ class CudaPlatform(Platform):
     #: changes every step (bench/PERF.md, round 3)
     ATTENTION_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
+    def __init__(self) -> None:
+        from torch.nn.attention import SDPBackend
+
+        self._sdpa_backends = [getattr(SDPBackend, b) for b in self.ATTENTION_BACKENDS]
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel([getattr(SDPBackend, b) for b in self.ATTENTION_BACKENDS]):
+        with sdpa_kernel(self._sdpa_backends):
             return super().attention(q, k, v, mask, scale)
 
 

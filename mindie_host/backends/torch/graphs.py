@@ -99,13 +99,8 @@ class DecodeGraphs:
 
     def covers(self, num_seqs: int, context_len: int) -> bool:
         """Whether a decode step of this size can run from a bucket."""
-        bucket = batch_bucket(num_seqs)
-        return (
-            bucket is not None
-            and bucket <= self.max_seqs
-            and context_bucket(context_len) <= self.max_context
-            and (bucket, context_bucket(context_len)) not in self.failed
-        )
+        rows, ctx = batch_bucket(num_seqs), context_bucket(context_len)
+        return rows is not None and rows <= self.max_seqs and ctx <= self.max_context and (rows, ctx) not in self.failed
 
     def capture(self, num_seqs: int, context_len: int) -> None:
         """Capture (ahead of need) the bucket that serves steps of this size."""

@@ -189,26 +189,19 @@ class TorchLlama:
         """Run the decoder over the flattened new tokens; return float32 logits at ``logits_indices``."""
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        # every sequence brings one token and no adapter: the steps graphs and torch.compile serve
+        plain_decode = lora is None and meta.max_query_len == 1 and meta.pad_index is None and meta.attn_mask is not None
         if (
-            self.graphs is not None
-            and lora is None
-            and meta.max_query_len == 1
-            and meta.attn_mask is not None
+            plain_decode
+            and self.graphs is not None
             and len(batch.logits_indices) == meta.num_seqs  # every row's logits, in order
             and self.graphs.covers(meta.num_seqs, meta.max_context_len)
         ):
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.gather_index, meta.attn_mask)
             if logits is not None:
                 return logits
-        if (
-            self.compiled_decode is not None
-            and lora is None
-            and meta.max_query_len == 1
-            and meta.pad_index is None
-            and meta.attn_mask is not None
-            and meta.num_seqs <= self.compiled_max_seqs
-        ):
+        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        if plain_decode and self.compiled_decode is not None and meta.num_seqs <= self.compiled_max_seqs:
             kv_flat = [t for pair in kv_caches for t in pair]
             args = (ids, pos, idx, meta.slot_mapping, meta.gather_index, meta.attn_mask)
             for t in args:  # batch and context sizes vary; the caches and the model do not
