@@ -143,7 +143,8 @@ class LLMEngine:
             if ordered is not None:
                 self.waiting = list(ordered)
         for seq in self.waiting[: self.scheduler_limits.max_batch_size]:
-            if seq.seq_id not in self._matched:
+            if seq.seq_id not in self._matched and seq.request.sampling.prompt_logprobs is None:
+                # (a request scoring its prompt computes every position: cached blocks give no logits)
                 self._matched.add(seq.seq_id)
                 seq.num_computed = self.kv.match_prefix(seq)
                 seq.num_cached_tokens = seq.num_computed
@@ -285,7 +286,8 @@ class LLMEngine:
         rows: list[int] = []
         to_sample: list[Sequence] = []
         for seq, first, count in samplers:
-            if count > 1:
+            # every row of a prompt chunk predicts the next prompt token, even a chunk of one (splitfuse)
+            if seq.request.sampling.prompt_logprobs is not None and seq.num_computed - count < seq.prompt_len:
                 self._record_prompt_logprobs(seq, logits[first : first + count], seq.num_computed - count)
             if seq.num_computed == seq.num_tokens:
                 rows.append(first + count - 1)
@@ -420,6 +422,7 @@ class LLMEngine:
         seq.emitted_text_len = visible
         out_ids = seq.output_token_ids
         new_ids = out_ids[seq.emitted_tokens :]
+        first = seq.emitted_tokens == 0  # the prompt's logprobs come with the first output and the last
         seq.emitted_tokens = len(out_ids)
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         return RequestOutput(
@@ -433,7 +436,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=logprobs,
-            prompt_logprobs=seq.prompt_logprobs if finished else None,
+            prompt_logprobs=seq.prompt_logprobs if finished or first else None,
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             seed=seq.request.sampling.seed,

@@ -76,6 +76,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus k top alternatives
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens (TGI decoder_input_details)
     allowed_token_ids: list[int] | None = None  # restrict the next token (constrained decoding)
+    #: token id -> value added to its logit before sampling (OpenAI ``logit_bias``); -100 or less bans the token
+    logit_bias: dict[int, float] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """Add each token's bias to its logit in place; a bias of -100 or less bans the token (OpenAI's rule)."""
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    values = torch.tensor([float("-inf") if v <= -100 else float(v) for v in bias.values()], dtype=logits.dtype)
+    logits[ids] += values
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p and typical-p on one row; returns probabilities."""
     logits = logits / max(params.temperature, 1e-5)
@@ -97,6 +104,7 @@ class Sampler:
         special = [
             i for i in range(rows)
             if params[i].needs_penalties or allowed[i] is not None or banned[i] or not params[i].greedy
+            or params[i].logit_bias
         ]
         if special and logits.device.type != "cpu":
             # penalties, masks and seeded draws run on the CPU, with the request's CPU generator,
@@ -108,6 +116,8 @@ class Sampler:
             p = params[i]
             if p.needs_penalties:
                 apply_penalties(logits[i], p, prompts[i], outputs[i])
+            if p.logit_bias:
+                apply_logit_bias(logits[i], p.logit_bias)
             if allowed[i] is not None:
                 mask = torch.full_like(logits[i], float("-inf"))
                 mask[torch.tensor(allowed[i], dtype=torch.long)] = 0.0

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..host import Host
 
 PROTOCOL = "openai"
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def openai_error_body(err: RequestError) -> dict[str, Any]:
@@ -58,12 +58,15 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    #: ``max_tokens: 0`` on /v1/completions with echo: only the prompt (and its logprobs) comes back
+    prompt_only: bool = False
 
 
 #: Fields the plain variant also accepts as ``null`` (the spec's example sends ``"seed": null``;
 #: ``stop``/``stop_token_ids`` default to null, ``tool_choice`` is nullable) plus our extensions.
 PLAIN_NULLABLE = ("seed", "stop", "stop_token_ids", "tools", "tool_choice", "n", "logprobs", "top_logprobs",
-                  "stream_options", "max_completion_tokens", "min_p", "min_tokens", "user", "response_format")
+                  "stream_options", "max_completion_tokens", "min_p", "min_tokens", "user", "response_format",
+                  "logit_bias")
 
 
 def make_fields(host: Host, body: dict[str, Any]) -> Fields:
@@ -106,7 +109,8 @@ def parse_common(host: Host, f: Fields, *, chat: bool) -> ParsedRequest:
         "frequency_penalty": f.float("frequency_penalty", lo=-2.0, hi=2.0),
         "repetition_penalty": f.float("repetition_penalty", lo=0.0, hi=2.0, lo_open=True),
     }
-    max_tokens = f.int("max_tokens", lo=0, hi=INT32_MAX, lo_open=True)
+    prompt_only = not chat and f.raw("max_tokens") == 0 and bool(f.bool("echo", False))
+    max_tokens = 1 if prompt_only else f.int("max_tokens", lo=0, hi=INT32_MAX, lo_open=True)
     if chat and max_tokens is None:
         max_tokens = f.int("max_completion_tokens", lo=0, hi=INT32_MAX, lo_open=True)
     n = f.int("n", 1, lo=1, hi=128) or 1
@@ -135,9 +139,34 @@ def parse_common(host: Host, f: Fields, *, chat: bool) -> ParsedRequest:
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
     )
-    if n > 1 and sampling.greedy and sampling.seed is None:
-        pass  # n greedy copies are identical, as in vLLM
-    return ParsedRequest(model, sampling, n, stream, include_usage, logprobs)
+    sampling.logit_bias = parse_logit_bias(host, f.raw("logit_bias"))
+    if not chat and logprobs is not None and f.bool("echo", False):
+        sampling.prompt_logprobs = logprobs  # echo with logprobs scores every prompt token
+    return ParsedRequest(model, sampling, n, stream, include_usage, logprobs, prompt_only)
+
+
+def parse_logit_bias(host: Host, raw: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token id (a string key in JSON) to a bias in [-100, 100]."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RequestError("logit_bias must be an object mapping token ids to numbers in [-100, 100]",
+                           field="logit_bias")
+    vocab = host.info.vocab_size if getattr(host, "info", None) is not None else None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        name = f"logit_bias.{key}"
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", field=name) from None
+        if token < 0 or (vocab is not None and token >= vocab):
+            limit = f"[0, {vocab - 1}]" if vocab is not None else ">= 0"
+            raise RequestError(f"logit_bias key {key!r} must be a token id in {limit}", field=name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"{name} must be a number in [-100, 100], got {value!r}", field=name)
+        out[token] = float(value)
+    return out or None
 
 
 def chat_messages(f: Fields) -> list[dict[str, Any]]:
@@ -154,6 +183,8 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
         role = msg.get("role")
         if role not in ROLES:
             raise RequestError(f"{name}.role must be one of {list(ROLES)}, got {role!r}", field=f"{name}.role")
+        if role == "developer":
+            role = "system"  # OpenAI's newer name for the system role
         content = msg.get("content")
         tool_calls = msg.get("tool_calls")
         if isinstance(content, list):
@@ -168,14 +199,15 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
                         field=f"{name}.content[{j}].type",
                     )
                 text = part.get("text")
-                if not isinstance(text, str) or not text:
-                    raise RequestError(f"{name}.content[{j}].text must be a non-empty string",
+                if not isinstance(text, str):
+                    raise RequestError(f"{name}.content[{j}].text must be a string",
                                        field=f"{name}.content[{j}].text")
                 parts.append(text)
             content = "".join(parts)
-        if content is None or content == "":
+        if content is None:
             if not (role == "assistant" and tool_calls):
-                raise RequestError(f"{name}.content must be a non-empty string", field=f"{name}.content")
+                raise RequestError(f"{name}.content may be null only in an assistant message with tool_calls",
+                                   field=f"{name}.content")
             content = ""
         elif not isinstance(content, str):
             raise RequestError(f"{name}.content must be a string or a list of parts", field=f"{name}.content")
@@ -226,9 +258,13 @@ def chat_logprobs(host: Host, items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(host: Host, items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """``choices[].logprobs`` of the legacy completions API."""
-    tokens = [_token_text(host, it.token_id) for it in items]
+def completion_logprobs(host: Host, items: list[TokenLogprob | int], offset: int = 0) -> dict[str, Any]:
+    """``choices[].logprobs`` of the legacy completions API.
+
+    A bare token id stands for a token without a logprob (the first prompt token under ``echo``):
+    its ``token_logprobs`` and ``top_logprobs`` entries are null.
+    """
+    tokens = [_token_text(host, it if isinstance(it, int) else it.token_id) for it in items]
     offsets = []
     pos = offset
     for t in tokens:
@@ -236,10 +272,26 @@ def completion_logprobs(host: Host, items: list[TokenLogprob], offset: int = 0) 
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [it.logprob for it in items],
-        "top_logprobs": [{_token_text(host, t): lp for t, lp in it.top} for it in items],
+        "token_logprobs": [None if isinstance(it, int) else it.logprob for it in items],
+        "top_logprobs": [None if isinstance(it, int) else {_token_text(host, t): lp for t, lp in it.top}
+                         for it in items],
         "text_offset": offsets,
     }
+
+
+def prompt_logprob_items(req: EngineRequest, out: RequestOutput) -> list[TokenLogprob | int]:
+    """The prompt tokens' logprobs for ``echo``: the first token has none, every other one its own."""
+    scored = out.prompt_logprobs or []
+    items: list[TokenLogprob | int] = []
+    for j, token in enumerate(req.prompt_token_ids):
+        lp = scored[j] if j < len(scored) else None
+        items.append(lp if lp is not None else token)
+    return items
+
+
+def echo_text(host: Host, req: EngineRequest) -> str:
+    """The prompt as ``echo`` returns it: the text sent, or the decoded token ids."""
+    return req.prompt if req.prompt is not None else host.tokenizer.decode(req.prompt_token_ids)
 
 
 def finish_reason(out: RequestOutput) -> str:
@@ -417,7 +469,6 @@ class OpenAIServer:
                 extra: dict[str, Any] = {}
                 if full_text:
                     extra["full_text"] = out.text
-                extra["usage"] = usage(prompt_tokens, totals[i])
                 last = deltas[-1] if deltas else {"content": ""}
                 yield chunk([choice(i, last, logprobs, reason)], **extra)
             if parsed.include_usage:
@@ -439,18 +490,25 @@ class OpenAIServer:
             reqs = self.make_requests(body, parsed, prompts, base_id)
             created = int(time.time())
             if parsed.stream:
-                return streaming_response(self._completion_stream(reqs, parsed, base_id, created))
+                return streaming_response(self._completion_stream(reqs, parsed, base_id, created, echo))
             outs = await until_disconnect(request, asyncio.gather(*(host.generate_full(r) for r in reqs)))
             choices = []
             for i, (out, req) in enumerate(zip(outs, reqs)):
                 raise_for_failure(out)
-                prefix = (req.prompt or host.tokenizer.decode(req.prompt_token_ids)) if echo else ""
+                if parsed.prompt_only:  # max_tokens 0: the token the engine made is not part of the answer
+                    out.text, out.token_ids, out.logprobs, out.stop_reason = "", [], [], None
+                prefix = echo_text(host, req) if echo else ""
+                logprobs = None
+                if parsed.logprobs is not None:
+                    items: list[TokenLogprob | int] = list(out.logprobs)
+                    if echo:
+                        items = prompt_logprob_items(req, out) + items
+                    logprobs = completion_logprobs(host, items)
                 choices.append({
                     "index": i,
                     "text": prefix + out.text,
-                    "logprobs": completion_logprobs(host, out.logprobs, len(prefix)) if parsed.logprobs is not None
-                    else None,
-                    "finish_reason": finish_reason(out),
+                    "logprobs": logprobs,
+                    "finish_reason": "length" if parsed.prompt_only else finish_reason(out),
                     "stop_reason": out.stop_reason,
                 })
             return json_response({
@@ -466,26 +524,44 @@ class OpenAIServer:
             return openai_error(err)
 
     async def _completion_stream(self, reqs: list[EngineRequest], parsed: ParsedRequest, base_id: str,
-                                 created: int) -> AsyncIterator[bytes]:
-        full_text = self.host.config.server.fullTextEnabled
+                                 created: int, echo: bool = False) -> AsyncIterator[bytes]:
+        host = self.host
+        full_text = host.config.server.fullTextEnabled
         totals = [0] * len(reqs)
+        echoed = [not echo] * len(reqs)
+
+        def event(choice: dict[str, Any]) -> bytes:
+            return sse_event({"id": base_id, "object": "text_completion", "created": created,
+                              "model": parsed.model, "choices": [choice]})
+
         try:
             async for i, out in self._merged(reqs):
                 if out.finished and out.finish_reason in ("error", "timeout"):
                     err = RequestError(out.error or "generation failed", status=500 if out.finish_reason == "error" else 408)
                     yield sse_event(openai_error_body(err))
                     break
+                prefix = ""
+                if not echoed[i]:  # the echoed prompt comes first, with its logprobs
+                    echoed[i] = True
+                    prefix = echo_text(host, reqs[i])
+                    lps = completion_logprobs(host, prompt_logprob_items(reqs[i], out)) \
+                        if parsed.logprobs is not None else None
+                    yield event({"index": i, "text": prefix, "logprobs": lps, "finish_reason": None})
+                if parsed.prompt_only:  # max_tokens 0: nothing but the prompt
+                    if out.finished:
+                        yield event({"index": i, "text": prefix if full_text else "", "logprobs": None,
+                                     "finish_reason": "length"})
+                    continue
                 totals[i] = len(out.token_ids)
                 if not out.finished and not out.new_text:
                     continue
                 choice = {
                     "index": i,
-                    "text": out.text if full_text else out.new_text,
-                    "logprobs": completion_logprobs(self.host, out.logprobs) if parsed.logprobs is not None else None,
+                    "text": (echo_text(host, reqs[i]) if echo else "") + out.text if full_text else out.new_text,
+                    "logprobs": completion_logprobs(host, list(out.logprobs)) if parsed.logprobs is not None else None,
                     "finish_reason": finish_reason(out) if out.finished else None,
                 }
-                yield sse_event({"id": base_id, "object": "text_completion", "created": created,
-                                 "model": parsed.model, "choices": [choice]})
+                yield event(choice)
             if parsed.include_usage:
                 prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs) // max(1, parsed.n)
                 yield sse_event({"id": base_id, "object": "text_completion", "created": created,
