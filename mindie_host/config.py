@@ -387,6 +387,10 @@ class ServerConfig:
     * ``maxRequestBodyBytes``: largest accepted HTTP request body.
     * ``requestTimeoutSeconds``: longest a single request may run.
     * ``shutdownDrainSeconds``: how long a graceful stop waits for in-flight requests.
+    * ``headerReadTimeoutSeconds``: a connection whose request line and headers have not
+      all arrived this long after its first byte (or after it opened) is closed (slowloris).
+    * ``bodyReadTimeoutSeconds``: a business request whose body has not all arrived this
+      long after its headers gets 408; the body is read before a ``maxLinkNum`` slot is taken.
     """
 
     ipAddress: str = _key("127.0.0.1", _IPV4)
@@ -433,6 +437,8 @@ class ServerConfig:
     maxRequestBodyBytes: int = _key(16 * 1024 * 1024, _int(1024, 1 << 30))
     requestTimeoutSeconds: float = _key(600.0, _num(0, 86400, lo_open=True))
     shutdownDrainSeconds: float = _key(30.0, _num(0, 3600))
+    headerReadTimeoutSeconds: float = _key(10.0, _num(0, 3600, lo_open=True))
+    bodyReadTimeoutSeconds: float = _key(30.0, _num(0, 3600, lo_open=True))
 
 
 _MODEL_NAME_RULE = _Rule(

@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.server.vllm",
     "mindie_host.server.triton",
     "mindie_host.server.native",
+    "mindie_host.server.tokenize",
     "mindie_host.server.management",
     "mindie_host.server.metrics",
 )

@@ -165,13 +165,15 @@ def test_many_concurrent_streams_are_all_served(tiny_server: RunningServer) -> N
 
 
 def test_shared_port_keeps_probes_outside_the_business_guard(tiny_model: Path) -> None:
-    """managementPort == port: one listener serves both planes; only business routes need the key."""
+    """managementPort == port: one listener serves both planes; every route needs the key (issue 15),
+    but management routes stay outside maxLinkNum."""
     cfg = server_config(tiny_model, server={"apiKey": API_KEY, "maxLinkNum": 1})
     cfg["ServerConfig"]["managementPort"] = cfg["ServerConfig"]["port"]
     with RunningServer(cfg) as server:
         assert server.management_url == server.url
-        assert httpx.get(server.url + "/v2/health/ready", timeout=30).status_code == 200
-        assert httpx.get(server.url + "/health/timed", timeout=60).json() == {"status": "healthy"}
+        assert httpx.get(server.url + "/v2/health/ready", timeout=30).status_code == 401
+        assert httpx.get(server.url + "/v2/health/ready", headers=AUTH, timeout=30).status_code == 200
+        assert httpx.get(server.url + "/health/timed", headers=AUTH, timeout=60).json() == {"status": "healthy"}
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
         assert httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
         assert complete(server.url).status_code == 200

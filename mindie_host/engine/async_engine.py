@@ -35,6 +35,7 @@ class AsyncEngine:
         self._loop_started = False  # set once _run begins, on whichever thread runs it
         self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
         self.dead: str | None = None
+        self.step_failures = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,7 +144,7 @@ class AsyncEngine:
             while not self._stopping:
                 outputs = self._drain_inbox()
                 if engine.has_work():
-                    outputs.extend(engine.step())
+                    outputs.extend(self._step())
                 elif not outputs:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -152,7 +153,7 @@ class AsyncEngine:
                     self._dispatch(outputs)
         except Exception as exc:  # pragma: no cover - a bug in the engine itself
             log.exception("engine loop died")
-            self.dead = f"{type(exc).__name__}: {exc}"
+            self.dead = f"the engine loop stopped after an internal error ({type(exc).__name__}); see the server log"
             self._fail_all(self.dead)
         finally:
             if self._stopping:
@@ -166,6 +167,17 @@ class AsyncEngine:
             except Exception:
                 log.exception("step hook failed")
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; if it raises, only the sequences it was serving fail and the loop goes on."""
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; ending the requests it was serving")
+            self.step_failures += 1
+            return self.engine.fail_active(
+                f"generation failed in an engine step ({type(exc).__name__}); the server log has the details"
+            )
+
         for out in outputs:
             target = self._queues.get(out.request_id)
             if target is not None:

@@ -285,38 +285,108 @@ class LLMEngine:
             self.kv.on_computed(seq)
         rows: list[int] = []
         to_sample: list[Sequence] = []
+        failed: list[RequestOutput] = []
         for seq, first, count in samplers:
             # every row of a prompt chunk predicts the next prompt token, even a chunk of one (splitfuse)
             if seq.request.sampling.prompt_logprobs is not None and seq.num_computed - count < seq.prompt_len:
-                self._record_prompt_logprobs(seq, logits[first : first + count], seq.num_computed - count)
+                try:
+                    self._record_prompt_logprobs(seq, logits[first : first + count], seq.num_computed - count)
+                except Exception as exc:
+                    failed.append(self._fail(seq, "computing prompt logprobs", exc))
+                    continue
             if seq.num_computed == seq.num_tokens:
                 rows.append(first + count - 1)
                 to_sample.append(seq)
         if not to_sample:
-            return []
+            return failed
         sel = logits if len(rows) == logits.shape[0] else logits[rows]
-        params = [s.request.sampling for s in to_sample]
-        allowed = [
-            s.request.logits_constraint(s.output_token_ids) if s.request.logits_constraint else None
-            for s in to_sample
-        ]
-        tokens, logprobs = self.sampler.sample(
+        tokens, logprobs = self._sample(sel, to_sample, failed)
+        now = time.monotonic()
+        outputs = failed
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            if seq.status == SequenceStatus.FINISHED or token is None:
+                continue
+            try:
+                self._append_token(seq, token, lp, now)
+                outputs.append(self._make_output(seq))
+            except Exception as exc:  # stop handling or detokenisation failed: only this request ends
+                outputs.append(self._fail(seq, "stop handling or detokenisation", exc))
+        self.counters["generation_tokens"] += len(to_sample)
+        return outputs
+
+    def _sample(
+        self, sel: torch.Tensor, seqs: list[Sequence], failed: list[RequestOutput]
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
+        allowed: list[list[int] | None] = []
+        for seq in list(seqs):
+            try:
+                allowed.append(seq.request.logits_constraint(seq.output_token_ids)
+                               if seq.request.logits_constraint else None)
+            except Exception as exc:
+                failed.append(self._fail(seq, "the logits constraint", exc))
+                allowed.append(None)
+        live = [i for i, s in enumerate(seqs) if s.status != SequenceStatus.FINISHED]
+        tokens: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if not live:
+            return tokens, logprobs
+        try:
+            got, lps = self._sample_rows(sel[live] if len(live) != len(seqs) else sel,
+                                         [seqs[i] for i in live], [allowed[i] for i in live])
+            for j, i in enumerate(live):
+                tokens[i], logprobs[i] = got[j], lps[j]
+            return tokens, logprobs
+        except Exception as exc:
+            if len(live) == 1:  # the one row is the faulty one
+                failed.append(self._fail(seqs[live[0]], "sampling", exc))
+                return tokens, logprobs
+            log.warning("sampling a batch of %d rows failed; sampling row by row", len(live))
+        for i in live:
+            try:
+                got, lps = self._sample_rows(sel[i : i + 1], [seqs[i]], [allowed[i]])
+                tokens[i], logprobs[i] = got[0], lps[0]
+            except Exception as exc:
+                failed.append(self._fail(seqs[i], "sampling", exc))
+        return tokens, logprobs
+
+    def _sample_rows(
+        self, sel: torch.Tensor, seqs: list[Sequence], allowed: list[list[int] | None]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        params = [s.request.sampling for s in seqs]
+        penalties = any(p.needs_penalties for p in params)
+        return self.sampler.sample(
             sel,
             params,
-            [s.token_ids[: s.prompt_len] for s in to_sample] if any(p.needs_penalties for p in params) else [[]] * len(params),
-            [s.output_token_ids for s in to_sample] if any(p.needs_penalties for p in params) else [[]] * len(params),
-            [s.generator for s in to_sample],
+            [s.token_ids[: s.prompt_len] for s in seqs] if penalties else [[]] * len(params),
+            [s.output_token_ids for s in seqs] if penalties else [[]] * len(params),
+            [s.generator for s in seqs],
             allowed,
-            [self._banned_tokens(s) for s in to_sample],
+            [self._banned_tokens(s) for s in seqs],
         )
-        now = time.monotonic()
+
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        """End one sequence with ``finish_reason`` error after ``stage`` raised; the batch goes on."""
+        log.error("request %s failed in %s: %s: %s", seq.request_id, stage, type(exc).__name__, exc,
+                  exc_info=exc)
+        seq.error = f"generation failed for this request in {stage}; the server log has the details"
+        self._finish(seq, "error")
+        self.counters["request_errors"] += 1
+        return self._make_output(seq)
+
+    def fail_active(self, message: str) -> list[RequestOutput]:
+        """End the sequences a failed step was serving and free their blocks; the engine goes on.
+
+        The running sequences are the ones the step served; when none runs, the
+        failure came from scheduling the waiting ones, so those end instead.
+        """
+        victims = list(self.running) or list(self.waiting)
         outputs = []
-        for seq, token, lp in zip(to_sample, tokens, logprobs):
-            if seq.status == SequenceStatus.FINISHED:
-                continue
-            self._append_token(seq, token, lp, now)
+        for seq in victims:
+            seq.error = message
+            self._finish(seq, "error")
             outputs.append(self._make_output(seq))
-        self.counters["generation_tokens"] += len(to_sample)
+        self.counters["batch_errors"] += 1
         return outputs
 
     def _banned_tokens(self, seq: Sequence) -> list[int] | None:
@@ -324,7 +394,8 @@ class LLMEngine:
         params = seq.request.sampling
         if seq.num_output_tokens >= params.min_tokens:
             return None
-        banned = list(params.stop_token_ids)
+        vocab = self.info.vocab_size
+        banned = [t for t in params.stop_token_ids if 0 <= t < vocab]  # ids the model cannot emit need no ban
         if not params.ignore_eos:
             banned.extend(self.eos_ids)
         return banned or None

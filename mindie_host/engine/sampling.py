@@ -19,7 +19,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         if seen.numel():
             vals = logits[seen]
             rp = params.repetition_penalty
-            logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+            # clamped: a penalty near zero must not turn logits into inf (and probabilities into nan)
+            logits[seen] = torch.where(vals > 0, vals / rp, vals * rp).clamp(-1e30, 1e30)
     if output and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty

@@ -8,10 +8,13 @@ responses, request bodies with a size cap, and disconnect-aware waiting.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import RequestError
+from ..logs import current_request_id
 from .validation import parse_json_body
 
 if TYPE_CHECKING:
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mindie_host.server")
 
 ErrorRenderer = Callable[[RequestError], dict[str, Any]]
+T = TypeVar("T")
 
 
 def mindie_error_body(err: RequestError) -> dict[str, Any]:
@@ -62,6 +67,27 @@ async def read_json(request: Request, host: Host) -> dict[str, Any]:
     if len(raw) > limit:
         raise RequestError(f"request body of {len(raw)} bytes exceeds the {limit}-byte limit", status=413, field="body")
     return parse_json_body(raw)
+
+
+def request_pool(host: Host) -> ThreadPoolExecutor:
+    """The threads that tokenize prompts and decode tensors: ``tokenizerProcessNumber`` of them, made on first use."""
+    pool = host.state.get("request_pool")
+    if pool is None:
+        pool = host.state["request_pool"] = ThreadPoolExecutor(
+            max_workers=host.config.backend.tokenizerProcessNumber, thread_name_prefix="mindie-tokenize"
+        )
+    return pool
+
+
+async def offload(host: Host, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run CPU-heavy request work (tokenisation, chat templates, tensor coding) off the event loop.
+
+    Probes and other requests keep being answered while a big prompt is tokenized
+    (the tokenizer releases the GIL). The request id context goes along for the logs.
+    """
+    ctx = contextvars.copy_context()
+    call = functools.partial(ctx.run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(request_pool(host), call)
 
 
 def sse_event(data: Any, *, event: str | None = None, space: bool = True) -> bytes:
@@ -115,8 +141,12 @@ def create_app(host: Host, plane: str) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+        # the details go to the log only: a response never carries internal exception text
+        rid = current_request_id()
+        log.exception("unhandled error on %s %s (request id %s)", request.method, request.url.path, rid)
+        return error_response(RequestError(
+            f"internal server error; the server log has the details under request id {rid}", status=500
+        ))
 
     host.plugins.hook.mindie_host_add_routes(app=app, host=host, plane=plane)
     return app

@@ -3,8 +3,10 @@
 Routes (``managementIpAddress:managementPort``):
 
 * ``GET /health`` (TGI/vLLM), ``GET /v2/health/live``, ``GET /v2/health/ready``:
-  liveness answers 200 as soon as the listener is up; readiness answers 200 with an
-  empty body once the model is loaded and warmed up, 503 before that and while draining.
+  liveness answers 200 as soon as the listener is up, and 503 once the engine loop
+  has died (so an orchestrator restarts the process); readiness answers 200 with an
+  empty body once the model is loaded and warmed up, 503 before that, while
+  draining and when the engine loop has died.
 * ``GET /health/timed`` and ``GET /health/timed-{TIMEOUT}``: runs a one-token
   generation through the whole pipeline and answers ``{"status":"healthy"}`` if it
   finishes within TIMEOUT seconds (integer in [1, 600], default 10), else 503.
@@ -166,6 +168,9 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
 
     @app.get("/v2/health/live")
     async def live() -> Response:
+        engine = host.engine
+        if engine is not None and getattr(engine, "dead", None):  # the engine loop ended: restart the process
+            return error_response(RequestError(f"The engine has stopped: {engine.dead}", status=503))
         return Response(status_code=200)
 
     @app.get("/v2/health/ready")

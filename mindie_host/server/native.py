@@ -29,6 +29,7 @@ from .app import (
     error_response,
     json_response,
     mindie_error_body,
+    offload,
     read_json,
     sse_event,
     streaming_response,
@@ -149,7 +150,7 @@ class NativeServer:
         host = self.host
         try:
             body = await read_json(request, host)
-            stream, params, req = self.parse(body, tokens=tokens)
+            stream, params, req = await offload(host, self.parse, body, tokens=tokens)
             if stream:
                 outputs = await primed(host.generate(req))
                 return streaming_response(self.events(outputs, req, params))

@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
+from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .params import build_sampling
 from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
-from .validation import INT32_MAX, Fields, check_seed, check_text_size
+from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
 
 if TYPE_CHECKING:
     from ..host import Host
@@ -332,6 +332,7 @@ class OpenAIServer:
 
     def make_requests(self, body: dict[str, Any], parsed: ParsedRequest, prompts: list[tuple[str | None, list[int] | None]],
                       base_id: str) -> list[EngineRequest]:
+        check_fan_out(self.host.config.schedule.maxBatchSize, len(prompts), parsed.n)
         reqs = []
         for p_index, (text, ids) in enumerate(prompts):
             for k in range(parsed.n):
@@ -357,10 +358,11 @@ class OpenAIServer:
             messages = chat_messages(f)
             plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"))
             messages, tools = plan.prepare(messages, getattr(host.tokenizer, "chat_template", None) or "")
-            prompt = host.apply_chat_template(messages, tools=tools)
+            prompt = await offload(host, host.apply_chat_template, messages, tools=tools)
             check_text_size(prompt, "messages")
             base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-            reqs = self.make_requests(body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id)
+            reqs = await offload(host, lambda: self.make_requests(
+                body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id))
             if plan.constrained:
                 await asyncio.to_thread(vocab_for, host)  # built once per tokenizer, off the event loop
                 for req in reqs:
@@ -487,7 +489,7 @@ class OpenAIServer:
             prompts = completion_prompts(f.raw("prompt"))
             echo = bool(f.bool("echo", False))
             base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-            reqs = self.make_requests(body, parsed, prompts, base_id)
+            reqs = await offload(host, self.make_requests, body, parsed, prompts, base_id)
             created = int(time.time())
             if parsed.stream:
                 return streaming_response(self._completion_stream(reqs, parsed, base_id, created, echo))

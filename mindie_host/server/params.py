@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engine.request import SamplingParams
+from ..engine.request import RequestError, SamplingParams
 
 if TYPE_CHECKING:
     from ..host import Host
@@ -80,7 +80,22 @@ def build_sampling(host: Host, values: dict[str, Any], do_sample: bool | None = 
         presence_penalty=float(merged["presence_penalty"]),
         frequency_penalty=float(merged["frequency_penalty"]),
     )
+    check_stop_token_ids(host, extra.get("stop_token_ids"))
     for key, value in extra.items():
         if value is not None:
             setattr(params, key, value)
     return params
+
+
+def check_stop_token_ids(host: Host, ids: list[int] | None, field: str = "stop_token_ids") -> None:
+    """Stop token ids must be in the model's vocabulary: an id the model can never emit is refused (422)."""
+    info = getattr(host, "info", None)
+    if not ids or info is None:
+        return
+    vocab = info.vocab_size
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise RequestError(
+                f"{field}[{i}] must be a token id in [0, {vocab - 1}] (the model's vocabulary), got {token}",
+                field=f"{field}[{i}]",
+            )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from .app import create_app
-from .security import BusinessGuard, LinkGate, check_bind_addresses, tls_options
+from .security import BusinessGuard, LinkGate, check_bind_addresses, listener_protocol, tls_options
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -116,6 +116,7 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         cfg = uvicorn.Config(
             app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS, **listener.ssl,
+            **listener_protocol(host.config),
         )
         servers.append(_Server(cfg))
     loop = asyncio.get_running_loop()

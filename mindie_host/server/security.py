@@ -16,10 +16,13 @@ TLS (``httpsEnabled``):
   it KMC-encrypted; this host has no KMC, ``kmcKsf*`` are accepted and ignored).
 
 Business-plane requests pass through :class:`BusinessGuard`, a plain ASGI wrapper:
-request id and access log, ``apiKey`` bearer check (401), body cap
-``maxRequestBodyBytes`` for bodies without ``Content-Length`` (413), and
-``maxLinkNum``: at most ``maxLinkNum`` requests in progress, ``2*maxLinkNum`` more
-wait for a slot, and any further request is refused at once with 503.
+request id and access log, ``apiKey`` bearer check (401; on a port the business
+plane shares with the management plane, every route needs the key), body cap
+``maxRequestBodyBytes`` (413), a body-read deadline ``bodyReadTimeoutSeconds`` (408;
+the body is read before a slot is taken), and ``maxLinkNum``: at most ``maxLinkNum``
+requests in progress, ``2*maxLinkNum`` more wait for a slot, and any further request
+is refused at once with 503. :class:`HeaderTimeoutProtocol` closes connections whose
+headers take longer than ``headerReadTimeoutSeconds`` (slowloris).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..logs import bind_request_id, reset_request_id
 
@@ -77,14 +83,20 @@ def resolve(base: Path, *parts: str) -> Path:
 
 
 def check_bind_addresses(config: Config) -> None:
-    """Refuse 0.0.0.0 unless ``allowAllZeroIpListening`` (config validation does this too)."""
+    """Refuse 0.0.0.0 unless ``allowAllZeroIpListening`` (config validation does this too); warn when allowed."""
     s = config.server
     for key in ("ipAddress", "managementIpAddress"):
-        if getattr(s, key) == "0.0.0.0" and not s.allowAllZeroIpListening:
+        if getattr(s, key) != "0.0.0.0":
+            continue
+        if not s.allowAllZeroIpListening:
             raise RuntimeError(
                 f"ServerConfig.{key} is 0.0.0.0, which listens on every interface; "
                 "set ServerConfig.allowAllZeroIpListening to true to allow it"
             )
+        log.warning(
+            "ServerConfig.%s is 0.0.0.0: the server listens on every network interface and is reachable from "
+            "any network this machine is on; bind a specific address unless that is intended", key,
+        )
 
 
 def _files(base: Path, directory: str, names: list[str]) -> list[Path]:
@@ -235,6 +247,57 @@ class LinkGate:
         )
 
 
+# -- slow clients ------------------------------------------------------------------------------------
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers trickle in (slowloris).
+
+    A deadline of ``header_timeout`` seconds starts when the connection opens and
+    whenever the first bytes of a further request arrive on a kept-alive connection;
+    it is cancelled once the request line and all headers have arrived. An idle
+    kept-alive connection is left to uvicorn's keep-alive timeout.
+    """
+
+    header_timeout: float = 10.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            if self._header_timer is None and self.conn.trailing_data[0]:
+                self._arm_header_timer()  # part of a request line or headers is buffered
+        else:
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+            log.info("closing a connection from %s: request headers incomplete after %g s "
+                     "(ServerConfig.headerReadTimeoutSeconds)", self.client, self.header_timeout)
+            self.transport.close()
+
+
+def listener_protocol(config: Config) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments that bound how long request headers may take to arrive."""
+    timeout = float(config.server.headerReadTimeoutSeconds)
+    return {"http": type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": timeout})}
+
+
 # -- the ASGI wrapper ---------------------------------------------------------------------------------
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
     data = json.dumps(body, separators=(",", ":")).encode()
@@ -261,13 +324,16 @@ class BusinessGuard:
     """
 
     def __init__(self, app: ASGIApp, config: Config, gate: LinkGate | None,
-                 is_business: Callable[[Scope], bool], ready: Callable[[], bool] = lambda: True) -> None:
+                 is_business: Callable[[Scope], bool], ready: Callable[[], bool] = lambda: True,
+                 business_port: bool | None = None) -> None:
         self.app = app
         self.config = config
         self.gate = gate
         self.is_business = is_business
         self.ready = ready
         self.api_key = config.server.apiKey.encode() if config.server.apiKey else None
+        #: the listener serves the business plane: then every route on it (management ones included) needs the key
+        self.business_port = gate is not None if business_port is None else business_port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -290,6 +356,8 @@ class BusinessGuard:
         try:
             if business:
                 await self._business(scope, receive, send_with_id)
+            elif self.business_port and self.api_key is not None and not self._authorized(scope):
+                await self._unauthorized(send_with_id)  # a management route sharing the business port
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
@@ -298,11 +366,15 @@ class BusinessGuard:
                     scope.get("path"), status_box[0] or "aborted", time.perf_counter() - started)
             reset_request_id(token)
 
+    @staticmethod
+    async def _unauthorized(send: Send) -> None:
+        await _send_json(send, 401, {"type": "Unauthorized", "error": "missing or invalid API key: send "
+                                     "'Authorization: Bearer <ServerConfig.apiKey>'"},
+                         [(b"www-authenticate", b"Bearer")])
+
     async def _business(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key is not None and not self._authorized(scope):
-            await _send_json(send, 401, {"type": "Unauthorized", "error": "missing or invalid API key: send "
-                                         "'Authorization: Bearer <ServerConfig.apiKey>'"},
-                             [(b"www-authenticate", b"Bearer")])
+            await self._unauthorized(send)
             return
         if scope.get("method") == "POST" and not self.ready():
             await _send_json(send, 503, {"type": "Service Unavailable",
@@ -315,12 +387,22 @@ class BusinessGuard:
                                          f"exceeds the {limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
                                          "field": "body"}, [])
             return
-        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-            buffered = await self._buffer_body(receive, limit)
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # the whole body is read before a maxLinkNum slot is taken, within bodyReadTimeoutSeconds,
+            # so a client trickling its body holds no slot and is cut off
+            body_timeout = self.config.server.bodyReadTimeoutSeconds
+            try:
+                buffered = await asyncio.wait_for(self._buffer_body(receive, limit), body_timeout)
+            except asyncio.TimeoutError:
+                log.info("request body incomplete after %g s: 408", body_timeout)
+                await _send_json(send, 408, {"type": "Timeout", "error": f"the request body did not arrive within "
+                                             f"{body_timeout:g} s (ServerConfig.bodyReadTimeoutSeconds)",
+                                             "field": "body"}, [(b"connection", b"close")])
+                return
             if buffered is None:
                 await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body exceeds the "
                                              f"{limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
-                                             "field": "body"}, [])
+                                             "field": "body"}, [(b"connection", b"close")])
                 return
             receive = _replay(buffered, receive)
         gate = self.gate

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, TokenLogprob
-from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
+from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .textgen import (
     MAX_BEST_OF,
     TextGenParams,
@@ -32,7 +32,7 @@ from .textgen import (
     text_input,
     tgi_finish_reason,
 )
-from .validation import Fields
+from .validation import Fields, check_fan_out
 
 if TYPE_CHECKING:
     from ..host import Host
@@ -76,6 +76,7 @@ class TGIServer:
             )
         if stream and params.best_of > 1:
             raise RequestError("parameters.best_of > 1 is not supported when streaming", field="parameters.best_of")
+        check_fan_out(host.config.schedule.maxBatchSize, 1, params.best_of, "parameters.best_of")
         sampling = params.sampling
         if sampling.logprobs is None:
             sampling.logprobs = 0  # every token carries its logprob
@@ -132,7 +133,7 @@ class TGIServer:
     # -- non-stream -----------------------------------------------------------------------------
     async def run(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
         """One TGI generation (``best_of`` sequences, keeping the most likely) as a response object."""
-        prompt, params, reqs = self.parse(body, stream=False)
+        prompt, params, reqs = await offload(self.host, self.parse, body, stream=False)
         host = self.host
         outs: list[RequestOutput] = await until_disconnect(
             request, asyncio.gather(*(host.generate_full(r) for r in reqs))
@@ -183,7 +184,7 @@ class TGIServer:
             return tgi_error(err)
 
     async def start_stream(self, body: dict[str, Any]) -> Response:
-        prompt, params, reqs = self.parse(body, stream=True)
+        prompt, params, reqs = await offload(self.host, self.parse, body, stream=True)
         outputs = await primed(self.host.generate(reqs[0]))
         return streaming_response(self.events(outputs, reqs[0], prompt, params))
 

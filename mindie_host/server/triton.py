@@ -34,7 +34,7 @@ from fastapi.responses import Response
 
 from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
-from .app import error_response, json_response, read_json, sse_event, streaming_response, until_disconnect
+from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .params import build_sampling
 from .textgen import tgi_finish_reason
 from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_response, wants_binary_output
@@ -151,7 +151,7 @@ def header_length(request: Request) -> int | None:
     if value is None:
         return None
     value = value.strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit() and len(value) <= 19):  # at most an int64
         raise RequestError(f"{HEADER_LENGTH} must be a non-negative integer, got {value!r}", status=400,
                            field=HEADER_LENGTH)
     return int(value)
@@ -213,10 +213,10 @@ class TritonServer:
             try:
                 if hlen is None:
                     parse_json_body(body)  # a plain JSON body: report bad JSON as such
-                    header, tensors = decode_infer_request(body, None)
+                    header, tensors = await offload(host, decode_infer_request, body, None)
                 else:
-                    header, tensors = decode_infer_request(
-                        body, hlen, raw_input_name=INPUT_NAME, raw_input_datatype="UINT32", raw_input_shape=[-1]
+                    header, tensors = await offload(
+                        host, decode_infer_request, body, hlen, raw_input_name=INPUT_NAME, raw_input_datatype="UINT32", raw_input_shape=[-1]
                     )
             except TensorCodecError as exc:
                 raise RequestError(str(exc), status=400, field=exc.field) from None
@@ -234,7 +234,8 @@ class TritonServer:
             raise_for_failure(out)
             as_binary = hlen == 0 or wants_binary_output(header, out_name)
             array = np.asarray([out.token_ids], dtype=np.uint32).reshape(1, len(out.token_ids))
-            payload, head_len = encode_infer_response({"id": rid}, [(out_name, "UINT32", array, as_binary)])
+            payload, head_len = await offload(
+                host, encode_infer_response, {"id": rid}, [(out_name, "UINT32", array, as_binary)])
             if head_len is None:
                 return Response(payload, media_type="application/json")
             return Response(payload, media_type="application/octet-stream", headers={HEADER_LENGTH: str(head_len)})
@@ -282,8 +283,8 @@ class TritonServer:
         rid = request_id(host, f)
         prompt = text_input(f.raw("text_input"))
         params = parse_parameters(host, body.get("parameters"), text_route=True)
-        req = host.new_request(
-            protocol=PROTOCOL, body=body, sampling=params.sampling, prompt=prompt,
+        req = await offload(
+            host, host.new_request, protocol=PROTOCOL, body=body, sampling=params.sampling, prompt=prompt,
             request_id=f"{rid}-{host.new_request_id('triton')}", priority=params.priority,
             timeout=params.timeout, field="text_input",
         )

@@ -30,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.request import RequestError
+from .validation import has_lone_surrogate
+
 __all__ = [
     "TRITON_DATATYPES",
     "TensorCodecError",
@@ -450,6 +453,12 @@ def decode_infer_request(
         raise TensorCodecError("body", f"inference header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise TensorCodecError("body", "inference header must be a JSON object")
+    try:
+        lone_surrogate = has_lone_surrogate(header_bytes, header)
+    except RequestError:
+        raise TensorCodecError("body", "inference header is nested too deeply") from None
+    if lone_surrogate:
+        raise TensorCodecError("body", "inference header holds a lone UTF-16 surrogate; strings must be valid Unicode")
     _bool_param(header.get("parameters"), "binary_data_output", "parameters.binary_data_output")
     _check_requested_outputs(header.get("outputs"))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from ..engine.request import RequestError
@@ -17,15 +18,51 @@ INT32_MAX = 2_147_483_647
 UINT64_MAX = 18_446_744_073_709_551_615
 
 
+#: a ``\\uD800``-``\\uDFFF`` escape: a surrogate, which is only valid as half of a pair
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object."""
+    """Decode a request body that must be a JSON object (no lone surrogates, bounded nesting)."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("request body is nested too deeply", status=422, field="body") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", status=422, field="body") from exc
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", status=422, field="body")
+    if has_lone_surrogate(raw, body):
+        raise RequestError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff escape without its pair); "
+                           "strings must be valid Unicode", status=422, field="body")
     return body
+
+
+def has_lone_surrogate(raw: bytes, value: Any) -> bool:
+    """True when JSON text ``raw``, decoded as ``value``, holds a lone surrogate escape."""
+    return bool(_SURROGATE_ESCAPE.search(raw)) and not _valid_unicode_or_too_deep(value)
+
+
+def _valid_unicode_or_too_deep(value: Any) -> bool:
+    try:
+        return _valid_unicode(value)
+    except RecursionError:
+        raise RequestError("request body is nested too deeply", status=422, field="body") from None
+
+
+def _valid_unicode(value: Any) -> bool:
+    """True when no string in ``value`` (keys included) holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_valid_unicode(k) and _valid_unicode(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_valid_unicode(v) for v in value)
+    return True
 
 
 def _fmt_range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
@@ -192,6 +229,21 @@ class Fields:
 def check_seed(fields: Fields, key: str = "seed", *, zero_allowed: bool = True) -> int | None:
     """A uint64 seed: [0, 2^64-1] (OpenAI) or (0, 2^64-1] (TGI, vLLM, Triton)."""
     return fields.int(key, None, lo=0, hi=UINT64_MAX, lo_open=not zero_allowed)
+
+
+def check_fan_out(max_batch_size: int, prompts: int, n: int, field: str = "n") -> None:
+    """One request may make at most ``maxBatchSize`` sequences: ``prompts x n <= maxBatchSize`` (422 otherwise).
+
+    Checked before anything is tokenized or queued, so one request cannot flood the
+    queue ahead of everyone else's.
+    """
+    if prompts * n > max_batch_size:
+        raise RequestError(
+            f"{field}: this request asks for {prompts} prompt(s) x {n} = {prompts * n} sequences; one request may "
+            f"make at most {max_batch_size} (ScheduleConfig.maxBatchSize): prompts x n must be in [1, "
+            f"{max_batch_size}]",
+            field=field,
+        )
 
 
 def check_text_size(text: str, field: str, limit_bytes: int = 4 * 1024 * 1024) -> None:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..engine.request import EngineRequest, RequestError, RequestOutput
-from .app import error_response, json_response, mindie_error_body, streaming_response, until_disconnect
+from .app import error_response, json_response, mindie_error_body, offload, streaming_response, until_disconnect
 from .params import build_sampling
 from .textgen import check_adapter, failure, primed, text_input
 from .validation import INT32_MAX, Fields, check_seed
@@ -76,7 +76,7 @@ class VLLMServer:
     async def generate(self, request: Request, body: dict[str, Any]) -> Response:
         """``POST /generate`` with a vLLM body."""
         try:
-            prompt, stream, req = self.parse(body)
+            prompt, stream, req = await offload(self.host, self.parse, body)
             if stream:
                 outputs = await primed(self.host.generate(req))
                 return streaming_response(self.chunks(outputs), media_type="text/plain; charset=utf-8")

@@ -10,7 +10,9 @@
   (loading a non-resident adapter when a slot frees); ``mindie_host_request_finished``
   unbinds them.
 * ``mindie_host_add_routes`` (management plane): ``POST /v1/load_lora_adapter``,
-  ``POST /v1/unload_lora_adapter``, ``GET /v1/lora_adapters``.
+  ``POST /v1/unload_lora_adapter``, ``GET /v1/lora_adapters``. Runtime loading is off
+  unless ``Plugins.multi_lora.runtimeAdapterDir`` names a directory, and loads only
+  from inside it; its errors say nothing about paths outside it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "kernel": "auto",
     "unloadTimeoutS": 60.0,
     "runtimeUpdates": True,
+    "runtimeAdapterDir": "",
 }
 
 #: Registries of the hosts running in this process (one per Host).
@@ -84,6 +87,9 @@ def check_settings(config: Any) -> list[str]:
         bad("unloadTimeoutS", "a number in (0, 3600]")
     if not isinstance(s["runtimeUpdates"], bool):
         bad("runtimeUpdates", "true or false")
+    root = s["runtimeAdapterDir"]
+    if not isinstance(root, str) or (root and not Path(root).expanduser().is_dir()):
+        bad("runtimeAdapterDir", '"" (runtime loading off) or an existing directory')
     adapters = s["adapters"]
     if not isinstance(adapters, dict) or not all(
         isinstance(k, str) and NAME_PATTERN.match(k) and isinstance(v, str) and v for k, v in adapters.items()
@@ -280,6 +286,8 @@ async def _body(request: Request, host: Any) -> dict[str, Any]:
         raise RequestError(f"request body of {len(raw)} bytes exceeds the {limit}-byte limit", status=413, field="body")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("body is nested too deeply", status=400, field="body") from None
     except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {exc}", status=400, field="body") from exc
     if not isinstance(body, dict):
@@ -294,6 +302,38 @@ def _string(body: dict[str, Any], key: str) -> str:
     if not isinstance(value, str) or not value:
         raise RequestError(f"{key} must be a non-empty string", field=key)
     return value
+
+
+def runtime_adapter_path(root: str, lora_path: str) -> Path:
+    """The adapter directory ``lora_path`` names inside the allow-listed ``root`` (403 for anything else).
+
+    ``lora_path`` is relative to ``root`` or an absolute path under it; symbolic links
+    are resolved first, so none leads out. The refusal is the same whether or not
+    the path exists, and never echoes it.
+    """
+    if not root:
+        raise RequestError(
+            "loading adapters at runtime is off: set Plugins.multi_lora.runtimeAdapterDir to the directory "
+            "adapters may be loaded from", status=403, field="lora_path",
+        )
+    base = Path(root).expanduser().resolve()
+    refused = RequestError(
+        "lora_path must name an adapter directory inside Plugins.multi_lora.runtimeAdapterDir "
+        "(relative to it, or an absolute path under it)", status=403, field="lora_path",
+    )
+    if "\x00" in lora_path:
+        raise refused
+    try:
+        candidate = (base / Path(lora_path).expanduser()).resolve()
+    except (OSError, RuntimeError, ValueError):
+        raise refused from None
+    if candidate == base or not candidate.is_relative_to(base):
+        raise refused
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # a file may not link out either
+        inner = candidate / name
+        if inner.is_symlink() and not inner.resolve().is_relative_to(base):
+            raise refused
+    return candidate
 
 
 def _ready_registry(host: Any) -> AdapterRegistry:
@@ -326,7 +366,7 @@ def mindie_host_add_routes(app: FastAPI, host: Any, plane: str) -> None:
         registry = _ready_registry(host)
         body = await _body(request, host)
         name = _string(body, "lora_name")
-        path = _string(body, "lora_path")
+        path = runtime_adapter_path(settings["runtimeAdapterDir"], _string(body, "lora_path"))
         if not NAME_PATTERN.match(name):
             raise RequestError(f"lora_name must be {NAME_RULE}", field="lora_name")
         if name == host.model_name or name in registry.entries:

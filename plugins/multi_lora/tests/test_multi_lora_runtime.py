@@ -54,7 +54,8 @@ def test_one_slot_many_adapters(lora_base: Path, lora_adapters: dict[str, Path],
 
 def test_runtime_load_and_unload(lora_base: Path, lora_adapters: dict[str, Path], tokenizer,  # noqa: ANN001
                                  hf_reference: Callable) -> None:
-    with RunningServer(lora_config(lora_base, maxLoras=2)) as server:
+    root = str(lora_adapters["delta"].parent)
+    with RunningServer(lora_config(lora_base, maxLoras=2, runtimeAdapterDir=root)) as server:
         mgmt = server.management_url
         r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(lora_adapters["delta"])})
         assert r.status_code == 200, r.text
@@ -64,8 +65,10 @@ def test_runtime_load_and_unload(lora_base: Path, lora_adapters: dict[str, Path]
         # refusals name the field
         r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(lora_adapters["delta"])})
         assert r.status_code == 409 and "delta" in r.text
-        r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/does/not/exist"})
+        r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "does-not-exist"})
         assert r.status_code == 422 and r.json()["field"] == "lora_path" and "'x'" in r.json()["error"]
+        r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/does/not/exist"})
+        assert r.status_code == 403 and r.json()["field"] == "lora_path"
         r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_path": "/p"})
         assert r.status_code == 422 and r.json()["field"] == "lora_name"
         r = httpx.post(mgmt + "/v1/unload_lora_adapter", json={"lora_name": "zeta"})
