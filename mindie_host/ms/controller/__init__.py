@@ -1,0 +1,1 @@
+"""The MS Controller (spec §4.2)."""

@@ -1,0 +1,1 @@
+"""The MS Coordinator (spec §4.3)."""
