@@ -11,6 +11,7 @@ from typing import Any
 
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, default_config_dict, load_config, validate_config_file
+from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import PluginError, PluginHost, enabled_plugin_names, installed_plugins
 
 
@@ -180,6 +181,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", help="config.json whose enabled plugins to show")
     pl.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="benchmark a server or the engine (see `mindie-host bench --help`)", add_help=False)
+    add_ms_parsers(sub)
     return p
 
 
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_config(args)
         if args.cmd == "plugins":
             return cmd_plugins(args)
+        if args.cmd in MS_COMMANDS:
+            return run_ms_command(args)
     except (ConfigError, PluginError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)
         return 2

@@ -103,6 +103,9 @@ def static_config(host: Host, full: bool = False) -> dict[str, Any]:
         "worldSize": mc.worldSize,
         "maxOutputLen": host.config.schedule.maxIterTimes,
         "cacheBlockSize": host.config.schedule.cacheBlockSize,
+        # mindie-host additions, for the MS controller's static_info (total_slots_num, total_block_num)
+        "maxBatchSize": host.config.schedule.maxBatchSize,
+        "totalBlockNum": int(read_stats(host).get("kv_blocks_total", 0)),
     }
     if full:
         data = host.config.to_dict()
