@@ -230,6 +230,8 @@ class Forwarder:
             except httpx.TransportError as exc:
                 inst.mark_failed(f"{type(exc).__name__}: {exc}")
                 raise _Retry(f"{type(exc).__name__}: {exc or 'connection failed'}") from None
+            except (asyncio.TimeoutError, TimeoutError):
+                raise Refused(total_message, 504) from None
             if upstream.status_code == 503:
                 await upstream.aclose()
                 raise _Retry("the instance answered 503 (not ready or overloaded)")
@@ -241,6 +243,8 @@ class Forwarder:
                 except httpx.TransportError as exc:
                     inst.mark_failed(f"{type(exc).__name__}: {exc}")
                     raise _Retry(f"{type(exc).__name__} while reading the answer") from None
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise Refused(total_message, 504) from None
                 finally:
                     await upstream.aclose()
                     release()
