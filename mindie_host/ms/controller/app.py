@@ -62,7 +62,7 @@ async def serve_controller(config: ControllerConfig, stop: asyncio.Event | None 
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
     app = controller_app(controller)
     ssl_ctx = config.tls["http_server"].server_context()

@@ -262,7 +262,7 @@ async def serve_coordinator(config: CoordinatorConfig, stop: asyncio.Event | Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     try:
