@@ -5,21 +5,36 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import Config, ConfigError, config_from_dict, default_config_dict, load_config, validate_config_file
+from .config import (
+    ENV_CONFIG_PATH,
+    Config,
+    ConfigError,
+    config_from_dict,
+    default_config_dict,
+    load_config,
+    validate_config_file,
+)
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import PluginError, PluginHost, enabled_plugin_names, installed_plugins
 
 
+def config_path(args: argparse.Namespace) -> str | None:
+    """The config file to serve from: ``--config``, else ``MIES_CONFIG_JSON_PATH``, else none (defaults)."""
+    return args.config or os.environ.get(ENV_CONFIG_PATH) or None
+
+
 def build_config(args: argparse.Namespace) -> Config:
-    """A config from ``--config`` (or defaults), with command-line overrides applied."""
+    """A config from ``--config`` / ``MIES_CONFIG_JSON_PATH`` (or defaults), with command-line overrides applied."""
     data: dict[str, Any]
-    if args.config:
-        data = load_config(args.config).to_dict()
+    cfg_path = config_path(args)
+    if cfg_path:
+        data = load_config(cfg_path).to_dict()
     else:
         data = default_config_dict()
     server = data["ServerConfig"]
@@ -27,7 +42,7 @@ def build_config(args: argparse.Namespace) -> Config:
     if args.model:
         path = Path(args.model).expanduser()
         model["modelWeightPath"] = str(path)
-        if not args.config or args.model_name:
+        if not cfg_path or args.model_name:
             model["modelName"] = args.model_name or (path.stem.split(".Q")[0] if path.suffix == ".gguf" else path.name)
     elif args.model_name:
         model["modelName"] = args.model_name
@@ -35,7 +50,7 @@ def build_config(args: argparse.Namespace) -> Config:
                        ("metricsPort", args.metrics_port)):
         if value is not None:
             server[key] = value
-    if args.host and not (args.config and "managementIpAddress" in json.loads(Path(args.config).read_text()).get(
+    if args.host and not (cfg_path and "managementIpAddress" in json.loads(Path(cfg_path).read_text()).get(
             "ServerConfig", {})):
         server["managementIpAddress"] = args.host
     for key in ("dtype", "device", "backend"):
@@ -44,7 +59,7 @@ def build_config(args: argparse.Namespace) -> Config:
             model["backendType" if key == "backend" else key] = value
     if args.plugins:
         model["plugin_params"] = json.dumps({"plugin_type": args.plugins})
-    return config_from_dict(data, source_path=args.config)
+    return config_from_dict(data, source_path=cfg_path)
 
 
 class _Progress:
@@ -159,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mindie-host {__version__}")
     sub = p.add_subparsers(dest="cmd")
     s = sub.add_parser("serve", help="serve a model (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--config", help="MindIE-format config.json")
+    s.add_argument("--config", help="MindIE-format config.json (default: $MIES_CONFIG_JSON_PATH, else built-in defaults)")
     s.add_argument("--model", help="HF model directory or .gguf file")
     s.add_argument("--model-name", help="name clients use in `model` (default: from the path)")
     s.add_argument("--host", help="business-plane IP (also management unless the config sets it)")

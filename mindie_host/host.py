@@ -9,7 +9,6 @@ facts (model names, tokenizer, config, statistics).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from .engine.async_engine import AsyncEngine
 from .engine.core import EngineLimits, LLMEngine
 from .engine.policy import SchedulerLimits
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .kv_sizing import plan_kv_pool
 from .models.default import default_model_path
 from .models.weights import resolve_model
 from .plugins import PluginError, PluginHost, install_hint
@@ -88,22 +88,14 @@ class Host:
         assert self.backend is not None and self.info is not None
         sc = self.config.schedule
         deploy = self.config.deploy
-        mc = self.model_config
-        block_size = sc.cacheBlockSize
         on_cpu = self.info.device == "cpu"
-        budget_gb = mc.cpuMemSize if on_cpu else mc.npuMemSize
-        budget = self.backend.available_kv_memory(budget_gb if budget_gb != 0 else -1)
-        per_block = self.backend.kv_cache_bytes_per_block(block_size)
-        num_blocks = max(1, budget // per_block)
-        # never more than every running sequence at full length needs
-        ceiling = sc.maxBatchSize * math.ceil(deploy.maxSeqLen / block_size) + 1
-        num_blocks = int(min(num_blocks, ceiling))
-        if mc.maxKvBlocks:
-            num_blocks = min(num_blocks, mc.maxKvBlocks)
+        plan = plan_kv_pool(self.config, self.backend, self.info.device)
+        num_blocks, block_size = plan.num_blocks, plan.block_size
         if num_blocks * block_size < deploy.maxSeqLen:
             raise PluginError(
                 f"KV cache budget too small: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                f"sequence of maxSeqLen={deploy.maxSeqLen}; raise {'cpuMemSize' if on_cpu else 'npuMemSize'}"
+                f"sequence of maxSeqLen={deploy.maxSeqLen} ({plan.limited_by}); raise "
+                f"{'cpuMemSize' if on_cpu else 'npuMemSize'} or lower maxSeqLen"
             )
         self.backend.allocate_kv_cache(num_blocks, block_size)
         self.backend.warmup()
@@ -128,7 +120,7 @@ class Host:
             config=self.config,
         )
         self.engine = AsyncEngine(self.llm)
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, block_size, num_blocks * per_block / 2**20)
+        log.info("%s", plan.describe(self.info.device))
 
     def start(self, engine_thread: bool = True) -> None:
         """Mark the server ready; start the engine worker thread unless the caller

@@ -17,6 +17,10 @@ the method, path, status, sizes and timings only. Bodies may appear at DEBUG.
 directory. ``logFileSize`` (MB) and ``logFileNum`` drive rotation; either at 0
 means no log file. ``MINDIE_LOG_TO_STDOUT=0``/``MINDIE_LOG_TO_FILE=0`` switch the
 console or file output off when set.
+
+Plugins log under their own package's name (``logging.getLogger(__name__)``):
+:func:`adopt_logger` gives such a logger the host's handlers and level, so its
+lines reach the same console and file as the host's own.
 """
 
 from __future__ import annotations
@@ -96,8 +100,37 @@ def _env_off(name: str) -> bool:
     return os.environ.get(name, "").strip() == "0"
 
 
+#: Loggers outside ``mindie_host.`` that share its handlers (plugins' packages), kept for a later setup_logging.
+_adopted: set[str] = set()
+
+
+def adopt_logger(name: str) -> None:
+    """Route the logger tree ``name`` (a plugin's top-level package) to the host's log output.
+
+    Before :func:`setup_logging` has run (tests, embedding), nothing changes: the
+    logger propagates to the root logger as usual. After it, the logger gets the
+    host's handlers and level and stops propagating, so no line is lost or doubled.
+    """
+    if not name or name == "mindie_host" or name.startswith("mindie_host."):
+        return
+    _adopted.add(name)
+    host = logging.getLogger("mindie_host")
+    if host.handlers:
+        _share(host, logging.getLogger(name))
+
+
+def _share(host: logging.Logger, logger: logging.Logger) -> None:
+    for handler in list(logger.handlers):
+        if getattr(handler, "_mindie_host_shared", False):
+            logger.removeHandler(handler)
+    for handler in host.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(host.level)
+    logger.propagate = False
+
+
 def setup_logging(log_config: Any, to_stderr: bool = True) -> None:
-    """Configure the ``mindie_host`` logger tree from a ``LogConfig``."""
+    """Configure the ``mindie_host`` logger tree (and adopted plugin loggers) from a ``LogConfig``."""
     root = logging.getLogger("mindie_host")
     root.setLevel(log_config.python_level)
     for handler in list(root.handlers):
@@ -125,3 +158,7 @@ def setup_logging(log_config: Any, to_stderr: bool = True) -> None:
             root.addHandler(fh)
         except OSError as exc:
             root.warning("cannot write log file %s: %s", path, exc)
+    for handler in root.handlers:
+        handler._mindie_host_shared = True  # type: ignore[attr-defined]
+    for name in _adopted:
+        _share(root, logging.getLogger(name))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 from . import hookspecs
+from .logs import adopt_logger
 
 if TYPE_CHECKING:
     from .config import Config
@@ -140,6 +141,7 @@ class PluginHost:
             except Exception as exc:  # an import error inside the plugin
                 raise PluginError(f"plugin {name!r} ({ep.value}) failed to import: {exc}") from exc
             self.register(plugin, name)
+            adopt_logger(ep.module.split(".")[0])  # the plugin's own `logging.getLogger(__name__)` lines
         self.pm.check_pending()
 
     def validate(self, config: Config) -> list[str]:

@@ -68,9 +68,15 @@ class Platform:
         return torch.device(self.device_type)
 
     def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory."""
+        """(free, total) bytes of device memory; on the CPU "free" is Linux's MemAvailable where it exists."""
         import os
 
+        try:
+            with open("/proc/meminfo") as f:
+                fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.count(":") == 1}
+            return fields["MemAvailable"], fields["MemTotal"]
+        except (OSError, KeyError, ValueError, IndexError):
+            pass
         pages = os.sysconf("SC_PHYS_PAGES")
         avail = os.sysconf("SC_AVPHYS_PAGES")
         size = os.sysconf("SC_PAGE_SIZE")

@@ -44,13 +44,12 @@ class AsyncMindIEHTTPClient(_ClientBase):
     def __init__(self, url: str, greenlet_size: int | None = None, enable_ssl: bool = True,
                  ssl_options: dict[str, Any] | None = None, network_timeout: float = 600.0,
                  connection_timeout: float = 600.0, concurrency: int = 1, verbose: bool = False,
-                 enable_management: bool = False, management_url: str = "https://127.0.0.2:1026",
+                 enable_management: bool = False, management_url: str | None = None,
                  retries: int = 2) -> None:
         super().__init__(url, greenlet_size, enable_ssl, ssl_options, network_timeout, connection_timeout,
                          concurrency, verbose, enable_management, management_url, retries)
         self._client: httpx.AsyncClient | None = self._make_client(self._verify)
-        self._manage_client: httpx.AsyncClient | None = (
-            self._make_client(self._manage_verify) if self.enable_management else self._client)
+        self._manage_client: httpx.AsyncClient | None = self._make_client(self._manage_verify)
         self._tasks: set[asyncio.Task[Result]] = set()
 
     def _make_client(self, verify: Any) -> httpx.AsyncClient:
@@ -83,7 +82,7 @@ class AsyncMindIEHTTPClient(_ClientBase):
     async def _probe(self, path: str) -> bool:
         try:
             response = await self._request("GET", self._endpoint.health_base() + path,
-                                           management=self.enable_management)
+                                           management=True)
         except MindIEClientException:
             return False
         return response.status_code == 200
@@ -222,7 +221,7 @@ class AsyncMindIEHTTPClient(_ClientBase):
     async def get_slot_count(self, model_name: str, model_version: str = "") -> Result:
         """``GET /v2/models/{m}/getSlotCount``."""
         url = self._endpoint.health_base() + p.model_path(model_name, model_version, "getSlotCount")
-        return Result(await self._json("GET", url, management=self.enable_management), self.verbose)
+        return Result(await self._json("GET", url, management=True), self.verbose)
 
     async def close(self) -> None:
         """Close the connection pools (pending async_infer tasks are cancelled)."""

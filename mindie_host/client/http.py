@@ -30,11 +30,11 @@ class _ClientBase:
     def __init__(self, url: str, greenlet_size: int | None = None, enable_ssl: bool = True,
                  ssl_options: dict[str, Any] | None = None, network_timeout: float = 600.0,
                  connection_timeout: float = 600.0, concurrency: int = 1, verbose: bool = False,
-                 enable_management: bool = False, management_url: str = "https://127.0.0.2:1026",
+                 enable_management: bool = False, management_url: str | None = None,
                  retries: int = 2) -> None:
         url = p.check_url(url)
-        management_url = p.check_url(management_url, "management_url")
-        if enable_management and url.split(":", 1)[0] != management_url.split(":", 1)[0]:
+        management_url = p.check_url(management_url or p.default_management_url(url), "management_url")
+        if url.split(":", 1)[0] != management_url.split(":", 1)[0]:
             raise MindIEClientException("management_url must use the same scheme as url")
         if greenlet_size is not None:
             if isinstance(greenlet_size, bool) or not isinstance(greenlet_size, int) or not 0 < greenlet_size <= 1e9:
@@ -51,10 +51,9 @@ class _ClientBase:
         self.enable_management = bool(enable_management)
         self.concurrency = concurrency
         self.greenlet_size = greenlet_size or concurrency
-        self._endpoint = p.Endpoint(url, management_url, self.enable_management)
+        self._endpoint = p.Endpoint(url, management_url)
         self._verify = p.build_ssl_context(url, enable_ssl, ssl_options)
-        self._manage_verify = (p.build_ssl_context(management_url, enable_ssl, ssl_options)
-                               if self.enable_management else self._verify)
+        self._manage_verify = p.build_ssl_context(management_url, enable_ssl, ssl_options)
         self._timeout = httpx.Timeout(network_timeout, connect=connection_timeout)
         self._limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self._retries = retries
@@ -67,8 +66,8 @@ class _ClientBase:
 class MindIEHTTPClient(_ClientBase):
     """The MindIE Client API over HTTP(S).
 
-    ``url`` is the business plane; health, readiness and slot queries go to ``management_url`` when
-    ``enable_management`` is true, else to ``url``. Connections are pooled (``concurrency`` of them);
+    ``url`` is the business plane; health, readiness and slot queries go to ``management_url`` (the
+    spec's default ``127.0.0.2:1026``, with ``url``'s scheme), whatever ``enable_management`` says. Connections are pooled (``concurrency`` of them);
     connection failures are retried ``retries`` times; ``connection_timeout`` bounds connecting and
     ``network_timeout`` every read/write. Every method raises :class:`MindIEClientException` on bad
     arguments, a transport failure or an HTTP status other than 200.
@@ -77,7 +76,7 @@ class MindIEHTTPClient(_ClientBase):
     def __init__(self, url: str, greenlet_size: int | None = None, enable_ssl: bool = True,
                  ssl_options: dict[str, Any] | None = None, network_timeout: float = 600.0,
                  connection_timeout: float = 600.0, concurrency: int = 1, verbose: bool = False,
-                 enable_management: bool = False, management_url: str = "https://127.0.0.2:1026",
+                 enable_management: bool = False, management_url: str | None = None,
                  retries: int = 2) -> None:
         self._client: httpx.Client | None = None
         self._manage_client: httpx.Client | None = None
@@ -85,7 +84,7 @@ class MindIEHTTPClient(_ClientBase):
         super().__init__(url, greenlet_size, enable_ssl, ssl_options, network_timeout, connection_timeout,
                          concurrency, verbose, enable_management, management_url, retries)
         self._client = self._make_client(self._verify)
-        self._manage_client = self._make_client(self._manage_verify) if self.enable_management else self._client
+        self._manage_client = self._make_client(self._manage_verify)
 
     def _make_client(self, verify: Any) -> httpx.Client:
         transport = httpx.HTTPTransport(verify=verify, retries=self._retries, limits=self._limits)
@@ -117,7 +116,7 @@ class MindIEHTTPClient(_ClientBase):
     def _probe(self, path: str) -> bool:
         url = self._endpoint.health_base() + path
         try:
-            response = self._request("GET", url, management=self.enable_management)
+            response = self._request("GET", url, management=True)
         except MindIEClientException:
             return False
         return response.status_code == 200
@@ -267,7 +266,7 @@ class MindIEHTTPClient(_ClientBase):
     def get_slot_count(self, model_name: str, model_version: str = "") -> Result:
         """``GET /v2/models/{m}/getSlotCount``: ``{"total_slots","free_slots","available_tokens_length"}``."""
         url = self._endpoint.health_base() + p.model_path(model_name, model_version, "getSlotCount")
-        return Result(self._json("GET", url, management=self.enable_management), self.verbose)
+        return Result(self._json("GET", url, management=True), self.verbose)
 
     def close(self) -> None:
         """Close the connection pools and the async_infer workers."""

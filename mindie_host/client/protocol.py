@@ -92,11 +92,19 @@ class Endpoint:
 
     base: str
     manage: str
-    use_management: bool
 
     def health_base(self) -> str:
-        """Where health, readiness and slot queries go."""
-        return self.manage if self.use_management else self.base
+        """Where health, readiness and slot queries go: the management plane, as in the spec."""
+        return self.manage
+
+
+#: The spec's default management address (``management_url="https://127.0.0.2:1026"``).
+DEFAULT_MANAGEMENT_ADDRESS = "127.0.0.2:1026"
+
+
+def default_management_url(url: str) -> str:
+    """The spec's default management address, with ``url``'s scheme (the two must match)."""
+    return f"{url.split(':', 1)[0]}://{DEFAULT_MANAGEMENT_ADDRESS}"
 
 
 def check_url(url: Any, what: str = "url") -> str:

@@ -106,6 +106,13 @@ class AsyncEngine:
         self._post(("abort", request_id))
         return True
 
+    def abort_all(self) -> int:
+        """Cancel every request in flight; each ends with finish reason ``abort`` (a clean final event)."""
+        ids = list(self._queues)
+        for rid in ids:
+            self._post(("abort", rid))
+        return len(ids)
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run ``fn(engine)`` on the worker thread between steps (for plugins and management)."""
         self._post(("call", fn))

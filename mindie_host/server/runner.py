@@ -2,15 +2,25 @@
 
 Startup order: plugins are enabled and routes registered, the listeners start
 (liveness answers at once), then the model loads on a worker thread; readiness
-turns true only when the model is loaded and warmed up. SIGTERM/SIGINT drain
-in-flight requests (up to ``shutdownDrainSeconds``) before the process exits.
+turns true only when the model is loaded and warmed up.
+
+Stopping: the first SIGTERM/SIGINT (or ``/stopService``) drains. New requests get
+503 at once; in-flight ones may finish for up to ``shutdownDrainSeconds``, and any
+still running then are ended with a normal final event (finish reason ``abort``,
+rendered by each protocol as a clean end of stream, never a 500). A second signal
+ends the in-flight requests the same way at once and exits without waiting.
+
+Before anything loads, :func:`check_ports_free` makes sure every listening
+address can be bound, so a port in use fails in a second, not after the load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +36,29 @@ if TYPE_CHECKING:
     from ..host import Host
 
 log = logging.getLogger("mindie_host.server")
+
+
+class PortInUseError(RuntimeError):
+    """A listening address cannot be bound (in use, or not an address of this machine)."""
+
+
+def check_ports_free(host: Host) -> None:
+    """Bind (and release) every address the host will listen on; raise :class:`PortInUseError` if one fails.
+
+    Run before the model loads, so a port in use costs a second, not the whole load.
+    """
+    for listener in plan_listeners(host):
+        family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            try:
+                sock.bind((listener.host, listener.port))
+            except OSError as exc:
+                why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+                raise PortInUseError(
+                    f"{listener.host}:{listener.port} ({', '.join(listener.planes)}) {why}; stop what holds it or "
+                    f"choose another port in config.json (ServerConfig) or with --port/--management-port/--metrics-port"
+                ) from None
 
 
 class _Server(uvicorn.Server):
@@ -121,11 +154,13 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         servers.append(_Server(cfg))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    force = asyncio.Event()
     host.state["stop_event"] = stop
+    host.state["force_stop_event"] = force
     host.state["loop"] = loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop_signal, host)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     tasks = [asyncio.create_task(srv.serve()) for srv in servers]
@@ -153,18 +188,22 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         if on_ready is not None:
             on_ready()
         await stop.wait()
-        log.info("stopping: draining %d in-flight requests", host.engine.num_active if host.engine else 0)
-        await drain(host, host.config.server.shutdownDrainSeconds)
-        if host.engine is not None and host.engine.num_active:
-            # drain timed out: end what is left with "The service has been stopped." before the sockets close
-            log.warning("drain timed out after %g s: ending %d requests", host.config.server.shutdownDrainSeconds,
-                        host.engine.num_active)
-            await asyncio.to_thread(host.engine.stop)
+        host.draining = True
+        active = host.engine.num_active if host.engine else 0
+        seconds = host.config.server.shutdownDrainSeconds
+        if active and not force.is_set():
+            log.info("stopping: refusing new requests; %d in flight may finish within %g s "
+                     "(send the signal again to stop now)", active, seconds)
+        else:
+            log.info("stopping: %d requests in flight", active)
+        await drain(host, seconds, force)
+        await end_in_flight(host, force)
     finally:
         for srv in servers:
             srv.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
         host.shutdown()
+        log.info("stopped")
 
 
 def serve_with_engine_on_main_thread(host: Host) -> None:
@@ -190,11 +229,12 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
                 host.engine.stop()
 
     def on_signal(signum: int, frame: object) -> None:
-        loop, stop = host.state.get("loop"), host.state.get("stop_event")
-        if loop is not None and stop is not None:
-            loop.call_soon_threadsafe(stop.set)
+        loop = host.state.get("loop")
+        if loop is not None:
+            loop.call_soon_threadsafe(on_stop_signal, host)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    check_ports_free(host)  # before the (long) load: a port in use fails now, with one line
     thread = threading.Thread(target=http, name="mindie-http")
     thread.start()
     try:
@@ -217,9 +257,43 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
         raise failure[0]
 
 
-async def drain(host: Host, timeout: float) -> None:
-    """Refuse new requests and wait up to ``timeout`` seconds for in-flight ones to finish."""
+def on_stop_signal(host: Host) -> None:
+    """SIGTERM/SIGINT on the serving loop: the first one drains, a second one stops at once."""
+    stop, force = host.state.get("stop_event"), host.state.get("force_stop_event")
+    if stop is None:
+        return
+    if stop.is_set() and force is not None and not force.is_set():
+        log.warning("second stop signal: ending %d in-flight requests now", host.engine.num_active if host.engine else 0)
+        force.set()
     host.draining = True
-    deadline = asyncio.get_running_loop().time() + timeout
-    while host.engine is not None and host.engine.num_active and asyncio.get_running_loop().time() < deadline:
+    stop.set()
+
+
+#: After in-flight requests are ended, how long their final events get to reach the clients.
+FINAL_EVENT_SECONDS = 5.0
+
+
+async def drain(host: Host, timeout: float, force: asyncio.Event | None = None) -> None:
+    """Refuse new requests and wait up to ``timeout`` seconds (or until ``force``) for in-flight ones to finish."""
+    host.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while host.engine is not None and host.engine.num_active and loop.time() < deadline:
+        if force is not None and force.is_set():
+            return
         await asyncio.sleep(0.05)
+
+
+async def end_in_flight(host: Host, force: asyncio.Event | None = None) -> None:
+    """End every request still in flight with a normal final event, and wait (briefly) until they are sent."""
+    engine = host.engine
+    if engine is None or not engine.num_active:
+        return
+    if force is None or not force.is_set():
+        log.warning("drain time (%g s) is up: ending %d requests", host.config.server.shutdownDrainSeconds,
+                    engine.num_active)
+    engine.abort_all()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (1.0 if force is not None and force.is_set() else FINAL_EVENT_SECONDS)
+    while engine.num_active and loop.time() < deadline:
+        await asyncio.sleep(0.02)

@@ -249,8 +249,9 @@ class TritonServer:
             raise RequestError(f"inputs must hold exactly 1 tensor ('{INPUT_NAME}'), got {got}", field="inputs")
         entry = inputs[0]
         name = entry.get("name")
-        if name != INPUT_NAME:
-            raise RequestError(f"inputs[0].name must be '{INPUT_NAME}', got {name!r}", field="inputs[0].name")
+        if not isinstance(name, str) or name.lower() != INPUT_NAME:  # the spec's client samples send "INPUT0"
+            raise RequestError(f"inputs[0].name must be '{INPUT_NAME}' (any case), got {name!r}",
+                               field="inputs[0].name")
         datatype = entry.get("datatype")
         if datatype not in TOKEN_DATATYPES:
             raise RequestError(f"inputs[0].datatype must be UINT32 (token ids), got {datatype!r}",

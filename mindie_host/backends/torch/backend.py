@@ -10,6 +10,7 @@ import torch
 
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ..base import ModelBackend, ModelInfo, ModelInput
+from ..lazy_memory import lazy_zeros
 from ..platform import Platform, select_platform
 from .model import TorchLlama
 
@@ -121,7 +122,7 @@ class TorchBackend(ModelBackend):
         shape = self.platform.kv_cache_shape(num_blocks + spare, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
+            (lazy_zeros(shape, self.kv_dtype, device), lazy_zeros(shape, self.kv_dtype, device))  # CPU: committed as used
             for _ in range(self.arch.num_layers)
         ]
         self.block_size = block_size
