@@ -55,6 +55,23 @@ class ModelInfo:
 
 
 @dataclass
+class PayloadSlice:
+    """The part of one sequence a step computes, with that request's plugin payload.
+
+    Sequence ``seq_index`` of the batch brings ``length`` tokens at prompt/sequence
+    positions ``[start, start + length)``; they are rows ``[flat_start, flat_start +
+    length)`` of the flattened step. A backend that understands ``payload`` (e.g. one
+    that replaces image placeholder rows by image embeddings) uses these; others ignore it.
+    """
+
+    seq_index: int
+    flat_start: int
+    start: int
+    length: int
+    payload: Any
+
+
+@dataclass
 class ModelInput:
     """One forward step over a batch of sequences, flattened.
 
@@ -65,6 +82,9 @@ class ModelInput:
     (slot = block_tables[i][pos // block_size] * block_size + pos % block_size).
     ``logits_indices`` are the flat token indices whose logits are returned, in
     order. ``adapter_indices[i]`` is the LoRA slot of sequence ``i`` (-1 = base).
+    ``payloads`` lists, for each sequence whose request carries a plugin payload
+    (:attr:`EngineRequest.payload`), a :class:`PayloadSlice`; ``None`` (the text-only
+    case) when none does.
     """
 
     input_ids: list[int]
@@ -74,6 +94,7 @@ class ModelInput:
     block_tables: list[list[int]]
     logits_indices: list[int]
     adapter_indices: list[int] = field(default_factory=list)
+    payloads: list[PayloadSlice] | None = None
 
     @property
     def num_seqs(self) -> int:

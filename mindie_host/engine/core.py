@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..backends.base import ModelBackend, ModelInfo, ModelInput
+from ..backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .detokenizer import Detokenizer
 from .kv_cache import KVCacheManager
 from .policy import SchedulerLimits, SchedulerState, StepPlan
@@ -248,9 +248,13 @@ class LLMEngine:
         logits_idx: list[int] = []
         adapters: list[int] = []
         samplers: list[tuple[Sequence, int, int]] = []
+        payloads: list[PayloadSlice] | None = None
         for seq, n in plan.scheduled:  # type: ignore[assignment]
             start = seq.num_computed
             flat0 = len(ids)
+            if seq.request.payload is not None:  # plugin-owned (e.g. images); the backend reads it
+                payloads = payloads or []
+                payloads.append(PayloadSlice(len(q_lens), flat0, start, n, seq.request.payload))
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             q_lens.append(n)
@@ -272,6 +276,7 @@ class LLMEngine:
             ModelInput(
                 input_ids=ids, positions=positions, query_lens=q_lens, context_lens=ctx_lens,
                 block_tables=tables, logits_indices=logits_idx or [len(ids) - 1], adapter_indices=adapters,
+                payloads=payloads,
             ),
             samplers,
         )

@@ -117,6 +117,14 @@ class EngineRequest:
     #: Called by the engine thread to constrain the next token (e.g. JSON for tool calls).
     #: Receives the generated token ids so far, returns allowed token ids or None.
     logits_constraint: Any = None
+    #: Plugin-owned per-request payload for the model backend (e.g. the ``multimodal`` plugin's
+    #: images); the engine never looks inside, it hands it to the backend with every step that
+    #: computes tokens of this request (:attr:`~mindie_host.backends.base.ModelInput.payloads`).
+    payload: Any = None
+    #: ``(start, end, key)`` token spans whose KV depends on more than their token ids (an
+    #: image's placeholder tokens and the image's content hash); a prefix cache mixes ``key``
+    #: into the hash of every block overlapping ``[start, end)``.
+    span_keys: list[tuple[int, int, bytes]] | None = None
 
 
 @dataclass

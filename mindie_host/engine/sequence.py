@@ -39,6 +39,7 @@ class SequenceView(Protocol):
     adapter: str | None
     cache_salt: str | None
     max_new_tokens: int
+    span_keys: list[tuple[int, int, bytes]] | None  # extra prefix-cache keys per token span (EngineRequest.span_keys)
 
     @property
     def num_tokens(self) -> int: ...
@@ -69,6 +70,7 @@ class Sequence:
         self.num_preemptions = 0
         self.adapter = request.adapter
         self.cache_salt = request.cache_salt
+        self.span_keys = request.span_keys
         self.max_new_tokens = max_new_tokens
         self.status = SequenceStatus.WAITING
         self.waiting_since = request.arrival_time

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from .. import hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .content import MEDIA_TYPES, media_text
 from .params import build_sampling
 from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
@@ -193,6 +194,9 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
                 if not isinstance(part, dict):
                     raise RequestError(f"{name}.content[{j}] must be an object", field=f"{name}.content[{j}]")
                 kind = part.get("type", "text")
+                if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+                    parts.append(media_text(kind, part, f"{name}.content[{j}]"))
+                    continue
                 if kind != "text":
                     raise RequestError(
                         f"{name}.content[{j}].type {kind!r} is not supported by this text-only model",

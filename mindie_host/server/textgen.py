@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .content import MEDIA_TYPES, media_text
 from .params import build_sampling
 from .validation import INT32_MAX, Fields, check_seed, check_text_size
 
@@ -130,6 +131,9 @@ def text_input(value: Any, field: str) -> str:
             if not isinstance(item, dict):
                 raise RequestError(f"{name} must be an object", field=name)
             kind = item.get("type", "text")
+            if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+                parts.append(media_text(kind, item, name))
+                continue
             if kind != "text":
                 raise RequestError(f"{name}.type {kind!r} is not supported by this text-only model", field=f"{name}.type")
             text = item.get("text")

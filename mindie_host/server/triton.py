@@ -35,6 +35,7 @@ from fastapi.responses import Response
 from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .content import media_text
 from .params import build_sampling
 from .textgen import tgi_finish_reason
 from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_response, wants_binary_output
@@ -375,9 +376,9 @@ def text_input(value: Any) -> str:
             if not isinstance(item, dict):
                 raise RequestError(f"{name} must be an object", field=name)
             kind = item.get("type", "text")
-            if kind in MULTIMODAL_TYPES:
-                raise RequestError(f"{name}.type {kind!r} is not supported by this text-only model",
-                                   field=f"{name}.type")
+            if kind in MULTIMODAL_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+                parts.append(media_text(kind, item, name))
+                continue
             if kind != "text":
                 raise RequestError(f"{name}.type must be one of ['text', 'image_url', 'video_url', 'audio_url'], "
                                    f"got {kind!r}", field=f"{name}.type")

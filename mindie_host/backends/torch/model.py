@@ -129,6 +129,26 @@ class TorchLlama:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
+    def mrope_tables(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, head_dim]`` for multimodal RoPE (Qwen2-VL's ``mrope_section``).
+
+        ``positions`` is ``[3, n]`` (temporal, height, width position of each token); the
+        rotary frequencies are split into ``section`` (summing to ``head_dim // 2``) and
+        part ``i`` rotates by axis ``i % 3``. Equal axes give the 1-D tables.
+        """
+        parts_cos, parts_sin, lo = [], [], 0
+        half = self.arch.head_dim // 2
+        pos = positions.to(self.device)
+        for i, width in enumerate(section):
+            axis = pos[i % 3]
+            parts_cos.append(self.cos[axis, lo : lo + width])
+            parts_sin.append(self.sin[axis, lo : lo + width])
+            lo += width
+        if lo != half:
+            raise ValueError(f"mrope_section {section} must sum to head_dim // 2 = {half}")
+        cos, sin = torch.cat(parts_cos, dim=-1), torch.cat(parts_sin, dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
     # -- per-step metadata ---------------------------------------------------------------
     def build_metadata(self, batch: ModelInput, block_size: int) -> AttentionMetadata:
         """Slot mapping, gather indices and causal mask for one step (shared by all layers)."""
@@ -185,12 +205,22 @@ class TorchLlama:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: object | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run the decoder over the flattened new tokens; return float32 logits at ``logits_indices``."""
+        """Run the decoder over the flattened new tokens; return float32 logits at ``logits_indices``.
+
+        ``embeds`` = ``(rows, values)`` replaces the token embeddings of flat rows ``rows`` by
+        ``values`` (``[len(rows), hidden]``; e.g. image features at placeholder tokens); ``rope``
+        gives every token's cos and sin ``[n, head_dim]`` (e.g. from :meth:`mrope_tables`) instead
+        of the tables at ``batch.positions``. Both are for backends that extend this model; a
+        text-only step passes neither.
+        """
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         # every sequence brings one token and no adapter: the steps graphs and torch.compile serve
-        plain_decode = lora is None and meta.max_query_len == 1 and meta.pad_index is None and meta.attn_mask is not None
+        plain_decode = (lora is None and rope is None and embeds is None and meta.max_query_len == 1
+                        and meta.pad_index is None and meta.attn_mask is not None)
         if (
             plain_decode
             and self.graphs is not None
@@ -211,7 +241,7 @@ class TorchLlama:
             self.compiled_steps += 1
             hidden = self.compiled_decode(*args, kv_flat)
         else:
-            hidden = self.run(ids, pos, idx, meta, kv_caches, lora)
+            hidden = self.run(ids, pos, idx, meta, kv_caches, lora, rope, embeds)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
         return self.platform.linear(hidden, self.lm_head_linear).float()
 
@@ -280,12 +310,20 @@ class TorchLlama:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: object | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``."""
+        """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``.
+
+        ``rope`` gives each token's cos and sin where they do not come from the tables; ``embeds``
+        replaces the embeddings of some rows (see :meth:`forward`).
+        """
         arch, plat = self.arch, self.platform
-        cos = self.cos[pos].unsqueeze(1)
-        sin = self.sin[pos].unsqueeze(1)
+        cos = (rope[0] if rope is not None else self.cos[pos]).unsqueeze(1)
+        sin = (rope[1] if rope is not None else self.sin[pos]).unsqueeze(1)
         x = F.embedding(ids, self.embed)
+        if embeds is not None:  # e.g. image features at their placeholder tokens
+            x[embeds[0]] = embeds[1].to(x.dtype)
         n = ids.shape[0]
         for li, layer in enumerate(self.layers):
             h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)

@@ -26,11 +26,14 @@ from mindie_host.api import KVCacheManager, SequenceView
 ROOT_KEY = b"\x00" * 16
 
 
-def block_key(parent: bytes, tokens: list[int] | tuple[int, ...], adapter: str | None, salt: str | None) -> bytes:
+def block_key(
+    parent: bytes, tokens: list[int] | tuple[int, ...], adapter: str | None, salt: str | None, extra: bytes = b""
+) -> bytes:
     """The 16-byte chained key of one full block.
 
     ``adapter`` and ``salt`` are folded in with a length prefix so that
-    ``(None, "x")`` and ``("x", None)`` never collide.
+    ``(None, "x")`` and ``("x", None)`` never collide. ``extra`` holds the keys of the
+    token spans overlapping the block (:func:`span_extra`), e.g. an image's content hash.
     """
     h = hashlib.blake2b(parent, digest_size=16)
     for part in (adapter, salt):
@@ -41,7 +44,24 @@ def block_key(parent: bytes, tokens: list[int] | tuple[int, ...], adapter: str |
             h.update(struct.pack("<I", len(raw)))
             h.update(raw)
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    if extra:
+        h.update(extra)
     return h.digest()
+
+
+def span_extra(spans: list[tuple[int, int, bytes]] | None, start: int, end: int) -> bytes:
+    """The keys of the spans (``SequenceView.span_keys``) that overlap tokens ``[start, end)``, with offsets.
+
+    Tokens whose KV depends on more than their ids (image placeholders) thus key their
+    blocks by that content too: the same image shares blocks, a different one never does.
+    """
+    if not spans:
+        return b""
+    out = b""
+    for lo, hi, key in spans:
+        if lo < end and hi > start:
+            out += struct.pack("<qqI", lo - start, hi - start, len(key)) + key
+    return out
 
 
 @dataclass
@@ -101,7 +121,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         keys: list[bytes] = []
         parent = ROOT_KEY
         for i in range(usable):
-            key = block_key(parent, tokens[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt)
+            key = block_key(parent, tokens[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt,
+                            span_extra(getattr(seq, "span_keys", None), i * bs, (i + 1) * bs))
             block = self._block_of.get(key)
             if block is None:
                 break
@@ -125,7 +146,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         full = min(seq.num_computed // bs, len(table))
         parent = keys[-1] if keys else ROOT_KEY
         for i in range(len(keys), full):
-            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt)
+            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt,
+                            span_extra(getattr(seq, "span_keys", None), i * bs, (i + 1) * bs))
             block = table[i]
             owner = self._block_of.get(key)
             if owner is None and block not in self._key_of:

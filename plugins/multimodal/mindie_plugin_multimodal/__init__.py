@@ -1,0 +1,243 @@
+"""mindie-host plugin ``multimodal``: image input for LLaVA- and Qwen2-VL-style models (MindIE §7.4).
+
+Enabled per model with ``"plugin_params": "{\\"plugin_type\\":\\"multimodal\\"}"`` on a
+``backendType: "torch"`` model whose ``modelWeightPath`` is a transformers-format LLaVA or
+Qwen2-VL directory. Optional settings, in ``config.json``'s ``Plugins`` section::
+
+    "Plugins": {"multimodal": {"allowedLocalMediaPath": ["/data/images"], "allowHttp": false,
+                               "httpTimeoutS": 10}}
+
+* ``allowedLocalMediaPath``: directories whose files ``image_url`` may name (default none:
+  server-local paths are refused);
+* ``allowHttp``: fetch ``http(s)://`` image URLs (default false);
+* ``httpTimeoutS``: the fetch timeout, in (0, 600].
+
+Images given as base64 data URLs always work. Received and downloaded images are cached
+under ``LOCAL_CACHE_DIR``. The hooks:
+
+* ``mindie_host_model_backend``: the torch backend that also holds the vision tower;
+* ``mindie_host_startup`` / ``mindie_host_shutdown``: (un)register the media handler that
+  gives the protocol parsers the model's image text;
+* ``mindie_host_refine_request``: fetch, preprocess and place the request's images;
+* ``mindie_host_request_finished``: drop the request's image features.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mindie_host import hookimpl
+from mindie_host.api import EngineRequest, RequestError, resolve_model, select_platform
+
+from .backend import MultimodalTorchBackend
+from .inputs import ImagePreprocessor, MultimodalPayload, expand, mrope_positions
+from .media import MAX_MULTIMODAL_URL_NUM, MediaPolicy, default_cache_dir, load_image, url_of
+from .models import ModelSpec, MultimodalModelError, read_spec
+
+__all__ = ["NAME", "MultimodalPayload", "MultimodalTorchBackend", "collect_media"]
+
+NAME = "multimodal"
+log = logging.getLogger("mindie_plugin_multimodal")
+
+DEFAULTS: dict[str, Any] = {"allowedLocalMediaPath": [], "allowHttp": False, "httpTimeoutS": 10.0}
+MEDIA_KINDS = ("image_url", "video_url", "audio_url")
+#: body keys that may hold a list of content parts, per protocol family
+CONTENT_KEYS = ("prompt", "inputs", "text_input")
+
+
+def settings(config: Any) -> dict[str, Any]:
+    """``Plugins.multimodal`` over the defaults (unchecked)."""
+    section = (getattr(config, "Plugins", None) or {}).get(NAME) or {}
+    return {**DEFAULTS, **section} if isinstance(section, dict) else dict(DEFAULTS)
+
+
+def _dirs(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, list) else []
+
+
+@hookimpl
+def mindie_host_validate_config(config: Any, model_config: Any) -> list[str] | None:
+    """``Plugins.multimodal`` keys and the model directory (a LLaVA or Qwen2-VL config.json)."""
+    if NAME not in getattr(model_config, "plugins", []):
+        return None
+    section = (getattr(config, "Plugins", None) or {}).get(NAME, {})
+    if not isinstance(section, dict):
+        return [f"Plugins.multimodal: got {section!r}; allowed a JSON object"]
+    s = {**DEFAULTS, **section}
+    errors = [f"Plugins.multimodal.{k} is not a known key (allowed: {', '.join(DEFAULTS)})"
+              for k in section if k not in DEFAULTS]
+    dirs = s["allowedLocalMediaPath"]
+    if not (isinstance(dirs, (str, list)) and all(isinstance(d, str) and Path(d).expanduser().is_dir()
+                                                   for d in _dirs(dirs))):
+        errors.append(f"Plugins.multimodal.allowedLocalMediaPath: got {dirs!r}; allowed a list of existing directories")
+    if not isinstance(s["allowHttp"], bool):
+        errors.append(f"Plugins.multimodal.allowHttp: got {s['allowHttp']!r}; allowed true or false")
+    t = s["httpTimeoutS"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 600:
+        errors.append(f"Plugins.multimodal.httpTimeoutS: got {t!r}; allowed a number in (0, 600]")
+    if model_config.backendType != "torch":
+        errors.append(f"plugin multimodal serves backendType 'torch' only, got {model_config.backendType!r}")
+    try:
+        read_spec(resolve_model(model_config.modelWeightPath).path)
+    except Exception as exc:  # a missing path, a text-only model
+        errors.append(f"plugin multimodal: ModelConfig.modelWeightPath: {exc}")
+    return errors
+
+
+@hookimpl
+def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any) -> Any:
+    """The multimodal torch backend, for a ``torch`` model with this plugin enabled."""
+    if backend_type != "torch" or NAME not in getattr(model_config, "plugins", []):
+        return None
+    return MultimodalTorchBackend(
+        resolve_model(model_config.modelWeightPath),
+        name=model_config.modelName,
+        dtype=model_config.dtype,
+        kv_cache_dtype=model_config.kvCacheDtype,
+        quantization="none",
+        compile_decode=model_config.compile,
+        platform=select_platform(model_config.device),
+    )
+
+
+class ImageRuntime:
+    """Per host: the model's image text, the image processor and where media may come from."""
+
+    def __init__(self, spec: ModelSpec, tokenizer: Any, policy: MediaPolicy, max_input_tokens: int) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.max_input_tokens = max_input_tokens
+        self.preprocess = ImagePreprocessor(spec)
+        ids = [spec.image_token_id]
+        if spec.vision_start_id is not None and spec.vision_end_id is not None:
+            ids = [spec.vision_start_id, spec.image_token_id, spec.vision_end_id]
+        self.image_text = "".join(tokenizer.convert_ids_to_tokens(ids))
+        if tokenizer.encode(self.image_text, add_special_tokens=False) != ids:
+            raise MultimodalModelError(
+                f"the tokenizer does not encode the image text {self.image_text!r} as the token(s) {ids}"
+            )
+
+    # -- the protocol seam (mindie_host.server.content.MediaHandler) --------------------------
+    def placeholder(self, kind: str, item: dict[str, Any], field: str) -> str:
+        if kind != "image_url":
+            raise RequestError(f"{field}.type {kind!r} is not supported by this model (allowed: text, image_url)",
+                               field=f"{field}.type")
+        url_of(item, kind, field)  # "Request param image_url null." before any tokenizing
+        return self.image_text
+
+    def attach(self, request: EngineRequest, parts: list[tuple[str, dict[str, Any], str]]) -> None:
+        """Fetch and preprocess ``parts`` and widen the request's image tokens into placeholder spans."""
+        if len(parts) > MAX_MULTIMODAL_URL_NUM:
+            raise RequestError(
+                f"The number of multimodal url. should be no more than {MAX_MULTIMODAL_URL_NUM}.", field=parts[0][2]
+            )
+        images = []
+        for kind, item, field in parts:
+            self.placeholder(kind, item, field)
+            image, digest = load_image(url_of(item, kind, field), self.policy, f"{field}.{kind}")
+            images.append(self.preprocess(image, digest))
+        field = parts[0][2].split("[")[0] if parts else "prompt"
+        ids = expand(request.prompt_token_ids, images, self.spec.image_token_id, field)
+        if len(ids) > self.max_input_tokens:
+            raise RequestError(
+                f"{field} has {len(ids)} tokens with its images' placeholder tokens; the limit is "
+                f"{self.max_input_tokens} (min of maxInputTokenLen, maxSeqLen-1, max_position_embeddings)",
+                field=field,
+            )
+        payload = MultimodalPayload(images, len(ids))
+        if self.spec.mrope_section is not None:
+            payload.positions, payload.delta = mrope_positions(len(ids), images, self.spec.spatial_merge_size)
+        request.prompt_token_ids = ids
+        request.payload = payload
+        request.span_keys = [(i.start, i.start + i.num_tokens, i.digest) for i in images]
+
+
+def collect_media(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """Every media part of a request body, in prompt order: ``(kind, part, field)``.
+
+    Looks where each protocol keeps content parts: OpenAI ``messages[].content``,
+    vLLM ``prompt``, TGI / MindIE ``inputs``, Triton ``text_input``.
+    """
+    found: list[tuple[str, dict[str, Any], str]] = []
+
+    def scan(parts: Any, field: str) -> None:
+        if isinstance(parts, list):
+            for j, part in enumerate(parts):
+                if isinstance(part, dict) and part.get("type") in MEDIA_KINDS:
+                    found.append((part["type"], part, f"{field}[{j}]"))
+
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, msg in enumerate(messages):
+            if isinstance(msg, dict):
+                scan(msg.get("content"), f"messages[{i}].content")
+    for key in CONTENT_KEYS:
+        scan(body.get(key), key)
+    return found
+
+
+@hookimpl
+def mindie_host_startup(host: Any) -> None:
+    """Build the image runtime and let the protocol parsers accept image parts."""
+    if NAME not in host.model_config.plugins:
+        return
+    from mindie_host.server.content import register_media_handler
+
+    backend = host.backend
+    if not isinstance(backend, MultimodalTorchBackend) or backend.spec is None:
+        raise RuntimeError("plugin multimodal: the model backend is not the multimodal torch backend")
+    s = settings(host.config)
+    policy = MediaPolicy(
+        allowed_dirs=[Path(d).expanduser().resolve() for d in _dirs(s["allowedLocalMediaPath"])],
+        allow_http=bool(s["allowHttp"]), http_timeout_s=float(s["httpTimeoutS"]), cache_dir=default_cache_dir(),
+    )
+    runtime = ImageRuntime(backend.spec, host.tokenizer, policy, host.max_input_tokens)
+    host.state[NAME] = runtime
+    register_media_handler(runtime)
+    log.info("multimodal on: %s, image text %r", backend.spec.family, runtime.image_text)
+
+
+@hookimpl
+def mindie_host_shutdown(host: Any) -> None:
+    """Stop accepting image parts for this host."""
+    runtime = host.state.pop(NAME, None)
+    if runtime is not None:
+        from mindie_host.server.content import unregister_media_handler
+
+        unregister_media_handler(runtime)
+
+
+@hookimpl
+def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Any) -> None:
+    """Attach the body's images to the request (placeholder spans, payload, prefix-cache keys)."""
+    runtime: ImageRuntime | None = host.state.get(NAME)
+    if runtime is None or not isinstance(body, dict):
+        return
+    parts = collect_media(body)
+    if parts:
+        runtime.attach(request, parts)
+    elif runtime.spec.image_token_id in request.prompt_token_ids:
+        raise RequestError(
+            "the prompt holds the image placeholder text but no image part; send images as image_url parts",
+            field="prompt",
+        )
+
+
+@hookimpl
+def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
+    """Free the request's image features as soon as it leaves the engine."""
+    payload = request.payload
+    if isinstance(payload, MultimodalPayload):
+        for item in payload.images:
+            item.embeds = None
+
+
+@hookimpl
+def mindie_host_metrics(host: Any) -> dict[str, float] | None:
+    """``multimodal_images_encoded``, ``multimodal_vision_batches`` and seconds spent in the vision tower."""
+    backend = host.backend
+    if not isinstance(backend, MultimodalTorchBackend):
+        return None
+    return {f"multimodal_{k}": float(v) for k, v in backend.counters.items()}
