@@ -160,20 +160,13 @@ class AsyncEngine:
                     self._dispatch(outputs)
         except Exception as exc:  # pragma: no cover - a bug in the engine itself
             log.exception("engine loop died")
-            self.dead = f"the engine loop stopped after an internal error ({type(exc).__name__}); see the server log"
+            self.dead = "the engine loop stopped after an internal error; see the server log"
             self._fail_all(self.dead)
         finally:
             if self._stopping:
                 self._fail_all("The service has been stopped.")
             self._stopped.set()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for hook in self.step_hooks:
-            try:
-                hook(outputs)
-            except Exception:
-                log.exception("step hook failed")
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
     def _step(self) -> list[RequestOutput]:
         """One engine step; if it raises, only the sequences it was serving fail and the loop goes on."""
         try:
@@ -182,9 +175,16 @@ class AsyncEngine:
             log.exception("engine step failed; ending the requests it was serving")
             self.step_failures += 1
             return self.engine.fail_active(
-                f"generation failed in an engine step ({type(exc).__name__}); the server log has the details"
+                "generation failed in an engine step; the server log has the details"
             )
 
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for hook in self.step_hooks:
+            try:
+                hook(outputs)
+            except Exception:
+                log.exception("step hook failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
         for out in outputs:
             target = self._queues.get(out.request_id)
             if target is not None:

@@ -115,7 +115,7 @@ class LLMEngine:
         except Exception as exc:  # one batch fails, the server goes on
             log.exception("backend failed on a batch of %d sequences", len(plan.scheduled))
             for seq, _ in plan.scheduled:
-                seq.error = f"backend error: {type(exc).__name__}: {exc}"
+                seq.error = "backend error: the model failed on this request's batch; the server log has the details"
                 self._finish(seq, "error")
                 outputs.append(self._make_output(seq))
             self.counters["batch_errors"] += 1
