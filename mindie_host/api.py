@@ -23,6 +23,7 @@ from .engine.policy import (
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .engine.sequence import SequenceView
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
+from .models.rope import Rope, rope_of
 from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, resolve_model
 from .server.tool_calls import HermesToolParser, JsonToolParser, ToolParser, make_call
 
@@ -42,7 +43,9 @@ __all__ = [
     "Platform",
     "RequestError",
     "RequestOutput",
+    "Rope",
     "SamplingParams",
+    "rope_of",
     "SchedulerLimits",
     "SchedulerState",
     "SequenceView",

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .rope import RopeConfigError, rope_from_config
+
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
 
 
@@ -101,6 +103,10 @@ def load_arch(source: ModelSource) -> LlamaArch:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = _as_list(cfg.get("eos_token_id"))
+    try:
+        rope = rope_from_config(cfg)  # transformers 5's rope_parameters or the older rope_theta / rope_scaling
+    except RopeConfigError as exc:
+        raise ModelLoadError(f"{source.path / 'config.json'}: {exc}") from exc
     gen_path = source.path / "generation_config.json"
     if gen_path.exists():
         eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
@@ -114,11 +120,11 @@ def load_arch(source: ModelSource) -> LlamaArch:
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=rope.theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling={"rope_type": rope.rope_type, **rope.params} if rope.rope_type != "default" else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

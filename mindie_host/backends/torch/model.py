@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
+from ...models.rope import rope_of
 from ...models.weights import FourBitGroups, LlamaArch
 from ..base import ModelInput
 from ..platform import AttentionMetadata, Platform
@@ -35,24 +36,9 @@ class LayerWeights:
     down: Any
 
 
-def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 style frequency scaling when configured."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = arch.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv = torch.where(is_mid, mid, scaled)
-    elif scaling.get("rope_type", scaling.get("type")) == "linear":
-        inv = inv / float(scaling["factor"])
-    return inv.float()
+def rope_inv_freq(arch: LlamaArch, seq_len: int | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies of ``arch``'s RoPE kind (:mod:`mindie_host.models.rope`), as float32."""
+    return torch.from_numpy(rope_of(arch).inv_freq(arch.head_dim, seq_len)).float()
 
 
 class TorchLlama:
@@ -117,17 +103,47 @@ class TorchLlama:
             )
         head_name = "model.embed_tokens.weight" if self.lm_head is self.embed else "lm_head.weight"
         self.lm_head_linear = platform.prepare_linear(self.lm_head, stored.get(head_name))
-        max_pos = arch.max_position_embeddings
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(arch))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.device, dtype)
-        self.sin = emb.sin().to(self.device, dtype)
+        self.rope = rope_of(arch)
+        self.cos, self.sin = self._rope_tables(torch.arange(arch.max_position_embeddings), rope_inv_freq(arch))
         self.compiled_decode: Any = None
         self.compiled_max_seqs = 0
         self.compiled_steps = 0  # decode steps that ran compiled (for stats and tests)
         self.graphs: DecodeGraphs | None = None
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[len(positions), head_dim]`` (scaled by yarn's attention factor)."""
+        freqs = torch.outer(positions.to(torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.rope.attention_scaling
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+
+    def dynamic_rope(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-token cos and sin when dynamic NTK RoPE rescales a sequence; None when the tables serve.
+
+        A sequence whose length (its context after this step) passes ``max_position_embeddings``
+        rotates this step's tokens with frequencies recomputed for that length, as transformers does
+        for the tokens of each forward pass; the keys already cached keep the rotation they got.
+        """
+        limit = self.arch.max_position_embeddings
+        if not self.rope.dynamic or max(batch.context_lens) <= limit:
+            return None
+        cos, sin, start = [], [], 0
+        for q, ctx in zip(batch.query_lens, batch.context_lens):
+            positions = torch.tensor(batch.positions[start : start + q])
+            start += q
+            if ctx <= limit:
+                cos.append(self.cos[positions.to(self.device)])
+                sin.append(self.sin[positions.to(self.device)])
+            else:
+                c, s = self._rope_tables(positions, rope_inv_freq(self.arch, ctx))
+                cos.append(c)
+                sin.append(s)
+        return torch.cat(cos), torch.cat(sin)
 
     def mrope_tables(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[n, head_dim]`` for multimodal RoPE (Qwen2-VL's ``mrope_section``).
@@ -218,6 +234,8 @@ class TorchLlama:
         """
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        if rope is None:
+            rope = self.dynamic_rope(batch)
         # every sequence brings one token and no adapter: the steps graphs and torch.compile serve
         plain_decode = (lora is None and rope is None and embeds is None and meta.max_query_len == 1
                         and meta.pad_index is None and meta.attn_mask is not None)
@@ -315,8 +333,8 @@ class TorchLlama:
     ) -> torch.Tensor:
         """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``.
 
-        ``rope`` gives each token's cos and sin where they do not come from the tables; ``embeds``
-        replaces the embeddings of some rows (see :meth:`forward`).
+        ``rope`` gives each token's cos and sin where they do not come from the tables (dynamic NTK,
+        multimodal RoPE); ``embeds`` replaces the embeddings of some rows (see :meth:`forward`).
         """
         arch, plat = self.arch, self.platform
         cos = (rope[0] if rope is not None else self.cos[pos]).unsqueeze(1)

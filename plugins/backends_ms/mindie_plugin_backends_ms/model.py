@@ -29,32 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from mindie_host.api import LlamaArch, ModelInput
+from mindie_host.api import LlamaArch, ModelInput, rope_of
 
 #: additive mask value for positions a query must not see (exp() underflows to exactly 0)
 MASKED = -1e9
 
 
 def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
-    """Rotary inverse frequencies (float64), with Llama-3 / linear frequency scaling when configured."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = arch.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        in_band = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv = np.where(in_band, mid, scaled)
-    elif kind == "linear":
-        inv = inv / float(scaling["factor"])
-    return inv
+    """Rotary inverse frequencies (float64) of the checkpoint's RoPE kind (``mindie_host.api.rope_of``).
+
+    Dynamic NTK rescales per sequence length, which this backend's fixed tables cannot follow: refused.
+    """
+    rope = rope_of(arch)
+    if rope.dynamic:
+        raise ValueError("the ms backend does not serve dynamic NTK RoPE (rope_type 'dynamic'); use the torch backend")
+    return rope.inv_freq(arch.head_dim)
 
 
 @dataclass
@@ -191,8 +180,9 @@ class MsLlama:
         positions = np.arange(arch.max_position_embeddings, dtype=np.float32)
         freqs = np.outer(positions, rope_inv_freq(arch).astype(np.float32))
         emb = np.concatenate([freqs, freqs], axis=-1)
-        self.cos = tensor(np.cos(emb))
-        self.sin = tensor(np.sin(emb))
+        scale = rope_of(arch).attention_scaling  # yarn's factor on cos and sin (1 otherwise)
+        self.cos = tensor(np.cos(emb) * scale)
+        self.sin = tensor(np.sin(emb) * scale)
 
     # -- cache -----------------------------------------------------------------------------------
     def allocate(self, num_slots: int) -> None:
