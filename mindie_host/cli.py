@@ -22,6 +22,7 @@ from .config import (
 )
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import PluginError, PluginHost, enabled_plugin_names, installed_plugins
+from .quant.cli import add_quantize_parser, cmd_quantize
 
 
 def config_path(args: argparse.Namespace) -> str | None:
@@ -196,6 +197,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", help="config.json whose enabled plugins to show")
     pl.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="benchmark a server or the engine (see `mindie-host bench --help`)", add_help=False)
+    add_quantize_parser(sub)
     add_ms_parsers(sub)
     return p
 
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_config(args)
         if args.cmd == "plugins":
             return cmd_plugins(args)
+        if args.cmd == "quantize":
+            return cmd_quantize(args)
         if args.cmd in MS_COMMANDS:
             return run_ms_command(args)
     except (ConfigError, PluginError) as exc:

@@ -467,9 +467,11 @@ class ModelConfig:
 
     Extensions of this host, not in MindIE: ``dtype`` and ``device`` pick the weights'
     precision and where the torch backend runs; ``kvCacheDtype`` the KV cache's (``auto``:
-    the weights'); ``quantization`` says whether CPU decode
+    the weights'; ``int8``: int8 codes with a scale per token and KV head); ``quantization`` says whether CPU decode
     reads a GGUF file's 4- and 8-bit matrices in that form for products of few rows
-    (``auto``) or only their dequantized values (``none``); ``compile`` runs decode steps
+    (``auto``, which also serves an int8 checkpoint's layers as stored) or only their dequantized
+    values (``none``), or serves the decoder's linear layers in int8 (``w8a16``: int8 weights;
+    ``w8a8``: int8 weights and per-token int8 activations; docs/quantization.md); ``compile`` runs decode steps
     of up to 16 sequences through ``torch.compile`` on CPU (compiled at start-up) and replays
     decode steps from CUDA graphs on CUDA (captured at start-up); ``maxKvBlocks`` caps the KV-cache pool
     below what the memory budget allows (0 = no cap); the sampling keys (``temperature`` ...
@@ -493,9 +495,9 @@ class ModelConfig:
     plugin_params: str = _key("", _Rule("str", validator=_plugin_params_ok, text=_PLUGIN_PARAMS_TEXT))
     # extensions
     dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
-    kvCacheDtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))  # auto = the weights' dtype
+    kvCacheDtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16", "int8"))  # auto = the weights' dtype
     device: str = _key("auto", _choice("auto", "cpu", "cuda", "npu"))
-    quantization: str = _key("auto", _choice("auto", "none"))
+    quantization: str = _key("auto", _choice("auto", "none", "w8a16", "w8a8"))
     compile: bool = _key(False, _BOOL)
     maxKvBlocks: int = _key(0, _int(0, INT32_MAX))  # 0 = as many as the memory budget allows
     temperature: float | None = _key(None, _num(0, 2, nullable=True))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
     FourBitWeight,
     Int8Weight,
@@ -119,8 +120,13 @@ class Platform:
         dense: Any = PackedWeight(weight, buckets) if mkl_packing_available() and buckets else weight
         return Int8Weight(dense) if stored == "int8" else FourBitWeight(stored, dense)  # type: ignore[arg-type]
 
+    def prepare_int8(self, matrix: Int8Matrix, dtype: torch.dtype = torch.float32) -> Any:
+        """Turn an int8 matrix of the ``w8a16`` / ``w8a8`` schemes into a weight :meth:`linear` calls
+        (:mod:`mindie_host.backends.int8`); a platform with its own int8 kernels overrides this."""
+        return prepare_int8_weight(matrix, self.device(), dtype)
+
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear`."""
+        """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear` or :meth:`prepare_int8`."""
         return apply_linear(weight, x, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

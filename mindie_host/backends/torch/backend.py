@@ -9,7 +9,10 @@ import numpy as np
 import torch
 
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
+from ...quant.loader import int8_matrices
+from ...quant.schemes import KV_INT8, check_scheme
 from ..base import ModelBackend, ModelInfo, ModelInput
+from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
 from ..platform import Platform, select_platform
 from .model import TorchLlama
@@ -34,12 +37,14 @@ class TorchBackend(ModelBackend):
     ``quantization="auto"`` hands the platform how the model file stores its low-bit
     matrices (GGUF Q4_0/Q4_1 groups, Q8_0 blocks) next to their dequantized values, so
     CPU decode of few sequences reads them at 4 or 8 bits; ``"none"`` uses only the
-    dequantized values (the reference numerics). Full-precision checkpoints are the
-    same either way.
+    dequantized values (the reference numerics). ``"w8a16"`` / ``"w8a8"`` serve the decoder's
+    linear layers in int8 (:mod:`mindie_host.quant`): an int8 checkpoint's own layers, or a
+    floating-point model's quantized per output channel at load.
 
     ``kv_cache_dtype`` stores K and V in another precision than the weights (``auto``:
     the same): bfloat16 halves the cache and the bytes each decode step's attention reads,
-    which makes a 16-sequence CPU step of the default model about 7% faster (bench/PERF.md).
+    which makes a 16-sequence CPU step of the default model about 7% faster (bench/PERF.md);
+    ``int8`` stores int8 codes with a scale per token and KV head (:mod:`~mindie_host.backends.kv_int8`).
 
     ``compile_decode`` makes decode steps cheap to launch: on CPU through
     ``torch.compile`` (inductor), on CUDA as replays of CUDA graphs captured per
@@ -67,10 +72,17 @@ class TorchBackend(ModelBackend):
         self.name = name
         self.platform = platform or select_platform("auto")
         self.dtype = resolve_dtype(dtype, self.platform)
-        self.kv_dtype = self.dtype if kv_cache_dtype in ("auto", "", None) else resolve_dtype(kv_cache_dtype, self.platform)
-        if quantization not in ("auto", "none"):
-            raise ValueError(f"quantization {quantization!r} not supported; allowed: auto, none")
-        self.quantization = quantization
+        self.kv_int8 = kv_cache_dtype == KV_INT8
+        if self.kv_int8 and self.platform.name not in ("cpu", "cuda"):
+            raise ValueError(f"kvCacheDtype 'int8' is served on cpu and cuda only, not on {self.platform.name!r}")
+        self.kv_dtype = (
+            self.dtype if kv_cache_dtype in ("auto", "", None) or self.kv_int8
+            else resolve_dtype(kv_cache_dtype, self.platform)
+        )
+        self.quantization = check_scheme(quantization)
+        if self.kv_int8 and (compile_decode or decode_graphs):
+            log.warning("kvCacheDtype int8: decode steps run eagerly (compile and decode graphs take tensor caches)")
+            compile_decode, decode_graphs = False, False
         self.compile_decode = compile_decode
         self.decode_graphs = (
             compile_decode and self.platform.device_type == "cuda" if decode_graphs is None else decode_graphs
@@ -92,7 +104,8 @@ class TorchBackend(ModelBackend):
             weights[name] = torch.from_numpy(np.require(array, requirements="W"))  # GGUF floats are read-only maps
             if self.progress is not None:
                 self.progress(i, total, name)
-        stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
+        stored: dict[str, Any] = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
+        stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
         self.model = TorchLlama(arch, weights, self.platform, self.dtype, stored)
         log.info(
             "loaded %s: %d layers, hidden %d, %s on %s%s",
@@ -106,6 +119,9 @@ class TorchBackend(ModelBackend):
     # -- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         assert self.arch is not None
+        if self.kv_int8:
+            return 2 * self.arch.num_layers * block_size * Int8KVCache.bytes_per_slot(
+                self.arch.num_kv_heads, self.arch.head_dim)
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.arch.num_layers * block_size * self.arch.num_kv_heads * self.arch.head_dim * elem
 
@@ -121,6 +137,13 @@ class TorchBackend(ModelBackend):
         spare = 1 if self.decode_graphs else 0
         shape = self.platform.kv_cache_shape(num_blocks + spare, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
+        if self.kv_int8:
+            self.kv_caches = [
+                (Int8KVCache(shape, self.dtype, device), Int8KVCache(shape, self.dtype, device))  # type: ignore[misc]
+                for _ in range(self.arch.num_layers)
+            ]
+            self.block_size = block_size
+            return
         self.kv_caches = [
             (lazy_zeros(shape, self.kv_dtype, device), lazy_zeros(shape, self.kv_dtype, device))  # CPU: committed as used
             for _ in range(self.arch.num_layers)

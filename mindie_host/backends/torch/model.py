@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ...models.rope import rope_of
 from ...models.weights import FourBitGroups, LlamaArch
 from ..base import ModelInput
+from ..int8 import Int8Matrix
 from ..platform import AttentionMetadata, Platform
 from .graphs import DecodeGraphs
 
@@ -46,7 +47,8 @@ class TorchLlama:
 
     ``stored`` says, by HF name, how the model file holds its low-bit matrices (see
     :func:`~mindie_host.models.weights.low_bit_matrices`); the platform may read those
-    forms for products of few rows.
+    forms for products of few rows. :class:`~mindie_host.backends.int8.Int8Matrix` entries (the
+    ``w8a16`` / ``w8a8`` schemes) are served in int8 only.
     """
 
     def __init__(
@@ -55,7 +57,7 @@ class TorchLlama:
         weights: dict[str, torch.Tensor],
         platform: Platform,
         dtype: torch.dtype,
-        stored: dict[str, FourBitGroups | str] | None = None,
+        stored: dict[str, FourBitGroups | Int8Matrix | str] | None = None,
     ) -> None:
         self.arch = arch
         self.platform = platform
@@ -70,6 +72,9 @@ class TorchLlama:
 
         def linear(*names: str) -> Any:
             """One prepared product for these matrices stacked by rows (fused QKV, gate+up)."""
+            int8 = [stored.get(n) for n in names]
+            if all(isinstance(m, Int8Matrix) for m in int8):  # the w8a16 / w8a8 schemes
+                return platform.prepare_int8(Int8Matrix.concat(int8) if len(int8) > 1 else int8[0], dtype)  # type: ignore[arg-type]
             dense = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             forms = [stored.get(n) for n in names]
             form: FourBitGroups | str | None = None
