@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import RequestError
 from ..logs import current_request_id
+from .content import bind_host
 from .validation import parse_json_body
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 async def read_json(request: Request, host: Host) -> dict[str, Any]:
     """The request body as a JSON object, refusing bodies over ``maxRequestBodyBytes`` with 413."""
+    bind_host(host)  # media parts in the body are served by this host's plugins (server/content.py)
     limit = host.config.server.maxRequestBodyBytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:

@@ -4,14 +4,15 @@ Every protocol that takes a list of content parts (OpenAI ``messages[].content``
 ``prompt``, TGI and MindIE ``inputs``, Triton ``text_input``) joins the text parts into
 the prompt and asks :func:`media_text` what stands for each media part. With no media
 handler (the ``multimodal`` plugin off) that is a 422 naming the part: media are never
-silently dropped. A plugin that serves media registers a :class:`MediaHandler` at
-startup; it returns the placeholder text (e.g. ``"<image>"``) that the chat template and
+silently dropped. A plugin that serves media registers a :class:`MediaHandler` for its
+host at startup (:func:`register_media_handler`); it returns the placeholder text (e.g. ``"<image>"``) that the chat template and
 the tokenizer carry to the request-refinement hook, where the plugin expands it and
 attaches the media (``EngineRequest.payload``).
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from ..engine.request import RequestError
@@ -32,26 +33,35 @@ class MediaHandler(Protocol):
         ...
 
 
-_handlers: list[MediaHandler] = []
+#: ``Host.state`` key of the host's media handler
+STATE_KEY = "media_handler"
+#: the host whose request this task is parsing (bound by :func:`mindie_host.server.app.read_json`)
+_current_host: ContextVar[Any] = ContextVar("mindie_host_current_host", default=None)
 
 
-def register_media_handler(handler: MediaHandler) -> None:
-    """Serve media parts with ``handler`` (the latest registered wins) until it is unregistered."""
-    _handlers.append(handler)
+def bind_host(host: Any) -> None:
+    """Remember which host parses the current request (each server plane calls this per request)."""
+    _current_host.set(host)
 
 
-def unregister_media_handler(handler: MediaHandler) -> None:
-    """Stop serving media parts with ``handler`` (no error if it was not registered)."""
-    if handler in _handlers:
-        _handlers.remove(handler)
+def register_media_handler(host: Any, handler: MediaHandler) -> None:
+    """Serve ``host``'s media parts with ``handler`` (a plugin calls this at startup)."""
+    host.state[STATE_KEY] = handler
+
+
+def unregister_media_handler(host: Any) -> None:
+    """Stop serving media parts on ``host``."""
+    host.state.pop(STATE_KEY, None)
 
 
 def media_text(kind: str, item: dict[str, Any], field: str) -> str:
-    """The placeholder text of a media part, or a 422 when no plugin serves media."""
-    if not _handlers:
+    """The placeholder text of a media part, or a 422 when no plugin serves media on this host."""
+    host = _current_host.get()
+    handler: MediaHandler | None = host.state.get(STATE_KEY) if host is not None else None
+    if handler is None:
         raise RequestError(
             f"{field}.type {kind!r} is not supported by this text-only model "
             "(multimodal input needs the multimodal plugin: plugin_type \"multimodal\")",
             field=f"{field}.type",
         )
-    return _handlers[-1].placeholder(kind, item, field)
+    return handler.placeholder(kind, item, field)

@@ -195,7 +195,7 @@ def mindie_host_startup(host: Any) -> None:
     )
     runtime = ImageRuntime(backend.spec, host.tokenizer, policy, host.max_input_tokens)
     host.state[NAME] = runtime
-    register_media_handler(runtime)
+    register_media_handler(host, runtime)
     log.info("multimodal on: %s, image text %r", backend.spec.family, runtime.image_text)
 
 
@@ -206,7 +206,7 @@ def mindie_host_shutdown(host: Any) -> None:
     if runtime is not None:
         from mindie_host.server.content import unregister_media_handler
 
-        unregister_media_handler(runtime)
+        unregister_media_handler(host)
 
 
 @hookimpl

@@ -34,7 +34,13 @@ def _spread(lm_head: torch.nn.Module) -> None:
 
 def make_tiny_llava(directory: Path, image_size: int = 56, seed: int = 0) -> Path:
     """A 2-layer LLaVA: CLIP tower (patch 14, ``image_size`` px), 2-layer MLP projector, Llama LM."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     if (directory / "config.json").exists():
         return directory
