@@ -84,9 +84,10 @@ DEVIATIONS: list[str] = [
         "'' means the bundled default model."
     ),
     (
-        "ModelConfig.cpuMemSize is the KV-cache budget in GB when the model runs on CPU (MindIE: the "
-        "CPU swap space for preempted requests); the MindIE rule is kept: 0 only when "
-        "ScheduleConfig.maxPreemptCount is 0."
+        "ModelConfig.cpuMemSize caps the KV pool in GB when the model runs on CPU (the pool holds at most "
+        "maxBatchSize x maxSeqLen tokens and 80% of available memory, committed as used; MindIE: the CPU swap "
+        "space for preempted requests, its meaning here too when a device runs the model); the MindIE rule is "
+        "kept: 0 only when ScheduleConfig.maxPreemptCount is 0."
     ),
 ]
 

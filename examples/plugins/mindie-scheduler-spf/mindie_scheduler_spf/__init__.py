@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindie_host import hookimpl
+from mindie_host.api import hookimpl
 
 NAME = "shortest_prompt_first"
 
