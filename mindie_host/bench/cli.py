@@ -120,6 +120,9 @@ def check_args(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[list[floa
         raise BenchError("--Tokenizer False (token-id input) works with --TestType engine, client or native_client")
     if args.TestAccuracy and not args.Tokenizer:
         raise BenchError("--TestAccuracy True needs --Tokenizer True")
+    if args.DatasetType == "textvqa" and args.TestType in ("engine", "client"):
+        raise BenchError("--DatasetType textvqa (image requests) works with --TestType openai, tgi_client, "
+                         "vllm_client, triton_client or native_client")
     if args.TestAccuracy and args.DatasetType not in ("humaneval", "gsm8k", "mmlu"):
         raise BenchError("--TestAccuracy True supports --DatasetType humaneval, gsm8k or mmlu")
     if cfg["ENABLE_MANAGEMENT"] and args.Http.split("://", 1)[0] != args.ManagementHttp.split("://", 1)[0]:
@@ -253,7 +256,7 @@ async def _run_all(args: argparse.Namespace, items: list[BenchItem], rates: list
 
 def _copy(item: BenchItem) -> BenchItem:
     return BenchItem(item.prompt, item.max_tokens, list(item.token_ids) if item.token_ids is not None else None,
-                     item.ignore_eos, item.reference, dict(item.meta))
+                     item.ignore_eos, item.reference, dict(item.meta), item.content)
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 DATASET_TYPES = ("synthetic", "sharegpt", "humaneval", "gsm8k", "mmlu", "oasst1", "boolq", "truthfulqa",
-                 "mtbench", "cocotest", "custom")
+                 "mtbench", "cocotest", "custom", "textvqa")
 MAX_COUNT = 2**20
 
 
@@ -32,6 +32,14 @@ class BenchItem:
     ignore_eos: bool = False
     reference: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
+    #: typed content items (``[{"type": "image_url", ...}, {"type": "text", ...}]``) for a multimodal
+    #: model; drivers send these in the protocol's list form instead of ``prompt``
+    content: list[dict[str, Any]] | None = None
+
+    @property
+    def payload(self) -> str | list[dict[str, Any]]:
+        """What a driver sends as the prompt: the content items when there are any, else the text."""
+        return self.content if self.content is not None else self.prompt
 
 
 # -- synthetic ---------------------------------------------------------------------------------------
@@ -260,6 +268,44 @@ def generic_items(path: str | None, kind: str, max_tokens: int) -> list[BenchIte
     return items
 
 
+def _image_url(value: str, base: Path) -> str:
+    """A row's image as sent: data/http(s) URLs as they are, a file (relative to the JSONL) inlined as base64."""
+    import base64
+    import mimetypes
+
+    if value.startswith(("data:", "http://", "https://")):
+        return value
+    f = Path(value) if Path(value).is_absolute() else base / value
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"textvqa image {value!r}: {exc}") from exc
+    mime = mimetypes.guess_type(f.name)[0] or "image/jpeg"
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def textvqa_items(path: str | None, max_tokens: int) -> list[BenchItem]:
+    """TextVQA-style JSONL: ``{"image": file-or-URL, "question": ..., "answer(s)": ...}`` per row.
+
+    Each request is the spec's typed list (``image_url`` then ``text``); image files are
+    read relative to the JSONL file and sent as base64 data URLs (the server needs no access
+    to the client's disk).
+    """
+    if not path:
+        raise DatasetError("--DatasetType textvqa needs --DatasetPath: a JSONL file of image/question rows")
+    base = Path(path).parent if Path(path).is_file() else Path(path)
+    items = []
+    for row in _jsonl(path, "textvqa"):
+        image = row.get("image") or row.get("image_url") or row.get("image_path")
+        question = row.get("question") or row.get("text")
+        if not isinstance(image, str) or not isinstance(question, str) or not question:
+            raise DatasetError("textvqa rows need an image (file, data: or http(s) URL) and a question")
+        content = [{"type": "image_url", "image_url": _image_url(image, base)}, {"type": "text", "text": question}]
+        answers = row.get("answers", row.get("answer"))
+        items.append(BenchItem(question, max_tokens, reference=answers, content=content))
+    return items
+
+
 def token_csv_items(path: str | None, max_tokens: int) -> list[BenchItem]:
     """``--Tokenizer False``: a CSV of token ids, one request per row (a folder: every .csv in it)."""
     if not path:
@@ -308,6 +354,8 @@ def load_items(kind: str, path: str | None, *, max_tokens: int, count: int | Non
         items = gsm8k_items(path, max_tokens)
     elif kind == "mmlu":
         items = mmlu_items(path, max_tokens)
+    elif kind == "textvqa":
+        items = textvqa_items(path, max_tokens)
     else:
         items = generic_items(path, kind, max_tokens)
     if count is not None and cycle and items and count > len(items):
@@ -317,4 +365,4 @@ def load_items(kind: str, path: str | None, *, max_tokens: int, count: int | Non
 
 def _clone(item: BenchItem) -> BenchItem:
     return BenchItem(item.prompt, item.max_tokens, list(item.token_ids) if item.token_ids is not None else None,
-                     item.ignore_eos, item.reference, dict(item.meta))
+                     item.ignore_eos, item.reference, dict(item.meta), item.content)

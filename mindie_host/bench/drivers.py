@@ -164,7 +164,7 @@ class OpenAIDriver(_HTTPDriver):
     async def send(self, item: BenchItem, record: RequestRecord) -> None:
         self.count_input(item, record)
         body = self.sampling_body(item, {"model": self.opts.model_name,
-                                         "messages": [{"role": "user", "content": item.prompt}],
+                                         "messages": [{"role": "user", "content": item.payload}],
                                          "max_tokens": item.max_tokens})
         if self.opts.task_kind == "text":
             record.start = self.now()
@@ -209,7 +209,7 @@ class TGIDriver(_HTTPDriver):
         self.count_input(item, record)
         params = self.greedy_params()
         params.update({"max_new_tokens": item.max_tokens, "details": True})
-        body = {"inputs": item.prompt, "parameters": params}
+        body = {"inputs": item.payload, "parameters": params}
         if self.opts.task_kind == "text":
             record.start = self.now()
             data = await self._post_json("/generate", body)
@@ -252,7 +252,7 @@ class VLLMDriver(_HTTPDriver):
 
     async def send(self, item: BenchItem, record: RequestRecord) -> None:
         self.count_input(item, record)
-        body = self.sampling_body(item, {"prompt": item.prompt, "max_tokens": item.max_tokens,
+        body = self.sampling_body(item, {"prompt": item.payload, "max_tokens": item.max_tokens,
                                          "stream": self.opts.task_kind != "text"})
         if self.opts.task_kind == "text":
             record.start = self.now()
@@ -291,7 +291,7 @@ class TritonDriver(_HTTPDriver):
         self.count_input(item, record)
         params = self.greedy_params()
         params.update({"max_new_tokens": item.max_tokens, "details": True})
-        body = {"text_input": item.prompt, "parameters": params}
+        body = {"text_input": item.payload, "parameters": params}
         if self.opts.task_kind == "text":
             record.start = self.now()
             data = await self._post_json(self._path("generate"), body)
@@ -410,7 +410,7 @@ class NativeDriver(_HTTPDriver):
         if item.token_ids is not None and not item.prompt:
             path, body = "/infer_token", {"input_id": item.token_ids, "stream": stream, "parameters": params}
         else:
-            path, body = "/infer", {"inputs": item.prompt, "stream": stream, "parameters": params}
+            path, body = "/infer", {"inputs": item.payload, "stream": stream, "parameters": params}
         if not stream:
             record.start = self.now()
             data = await self._post_json(path, body)
