@@ -145,7 +145,7 @@ def test_liveness_and_readiness_fail_when_the_engine_loop_dies(tiny_model: Path)
         while engine.dead is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.dead is not None
-        for path in ("/v2/health/live", "/v2/health/ready", "/health"):
+        for path in ("/v2/health/live", "/v2/health/ready", "/health", "/v2/models/tiny/ready"):
             r = httpx.get(srv.management_url + path, timeout=30)
             assert r.status_code == 503, path
             assert "injected" not in r.text

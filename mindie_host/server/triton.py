@@ -36,6 +36,7 @@ from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .content import media_text
+from .management import not_ready_reason
 from .params import build_sampling
 from .textgen import tgi_finish_reason
 from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_response, wants_binary_output
@@ -404,7 +405,7 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
                 check_model(host, model)
             except RequestError as err:
                 return triton_error(err)
-            return Response(status_code=200 if host.ready and not host.draining else 503)
+            return Response(status_code=200 if not_ready_reason(host) is None else 503)  # a dead engine too
         return
     if plane != "business":
         return
