@@ -18,6 +18,8 @@ def add_quantize_parser(sub: Any) -> None:
     q.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens to use at most (default 2048)")
     q.add_argument("--alpha", type=float, default=0.5,
                    help="w8a8 smoothing strength in [0, 1]: how much of the activations' range moves into the weights")
+    q.add_argument("--no-smooth", action="store_true",
+                   help="w8a8: skip smoothing (needed to serve LoRA adapters of the original model on the result)")
     q.add_argument("--static", action="store_true",
                    help="w8a8: write static per-tensor activation quantizers (msModelSlim W8A8) instead of per-token")
     q.add_argument("--float-layer", action="append", default=[], metavar="NAME",
@@ -46,7 +48,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             return 2
     try:
         report = quantize_model(args.model, args.scheme, args.out, calib_text=text, alpha=args.alpha,
-                                static=args.static, float_layers=tuple(args.float_layer),
+                                smooth=not args.no_smooth, static=args.static, float_layers=tuple(args.float_layer),
                                 max_calib_tokens=args.calib_tokens)
     except (QuantizationError, ModelLoadError, FileNotFoundError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)

@@ -36,6 +36,12 @@ def checkpoint_format(source: ModelSource) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def smoothed_checkpoint(source: ModelSource) -> bool:
+    """Whether ``source`` is an msModelSlim checkpoint with smoothed (anti-outlier, ``.module.``) norms."""
+    found = checkpoint_format(source)
+    return found is not None and found[0] == "msmodelslim" and any(".module." in k for k in found[1])
+
+
 def read_raw(source: ModelSource) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory in its stored dtype (int8 codes, int64 scales stay exact)."""
     from safetensors import safe_open

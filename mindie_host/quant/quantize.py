@@ -201,13 +201,15 @@ def quantize_model(
     *,
     calib_text: str | None = None,
     alpha: float = 0.5,
+    smooth: bool = True,
     static: bool = False,
     float_layers: tuple[str, ...] = (),
     max_calib_tokens: int = 2048,
 ) -> QuantizeReport:
     """Write ``model`` quantized with ``scheme`` into ``out`` (see the module docstring).
 
-    ``float_layers`` names layers (HF prefixes such as ``model.layers.0.mlp.down_proj``) kept
+    ``smooth=False`` skips the w8a8 smoothing (a checkpoint LoRA adapters of the original model
+    still apply to). ``float_layers`` names layers (HF prefixes such as ``model.layers.0.mlp.down_proj``) kept
     in floating point (``FLOAT``); a fused group (QKV, gate/up) must be named whole.
     """
     if scheme not in QUANTIZE_SCHEMES:
@@ -221,7 +223,8 @@ def quantize_model(
     weights = {name: torch.from_numpy(np.array(a, dtype=np.float32)) for name, a in iter_weights(source, arch)}
     chunks = calibration_token_ids(source, calib_text or CALIBRATION_TEXT, max_tokens=max_calib_tokens)
     stats = calibrate(source, chunks)
-    if scheme == "w8a8":
+    smooth = smooth and scheme == "w8a8"
+    if smooth:
         _smooth(weights, arch, stats, alpha)
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
@@ -256,7 +259,7 @@ def quantize_model(
             tensors[prefix + key] = t
             types[prefix + key] = layer_type
         quantized += 1
-    if scheme == "w8a8":  # smoothed norms carry msModelSlim's anti-outlier name
+    if smooth:  # smoothed norms carry msModelSlim's anti-outlier name
         for name in [n for n in tensors if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))]:
             smoothed = name.replace("layernorm.weight", "layernorm.module.weight")
             tensors[smoothed] = tensors.pop(name)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
-from ...quant.loader import int8_matrices
+from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
 from ..base import ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
@@ -164,7 +164,17 @@ class TorchBackend(ModelBackend):
         return self.model.forward(batch, meta, self.kv_caches, lora)
 
     def set_lora(self, runtime: Any) -> bool:
-        """Use ``runtime`` for every step that has a sequence on an adapter (see :meth:`ModelBackend.set_lora`)."""
+        """Use ``runtime`` for every step that has a sequence on an adapter (see :meth:`ModelBackend.set_lora`).
+
+        Refused on a smoothed int8 checkpoint: its norms and projections were rescaled per
+        channel, so adapters made for the original weights would read rescaled inputs.
+        """
+        if runtime is not None and smoothed_checkpoint(self.source):
+            raise RuntimeError(
+                f"LoRA adapters cannot run on {self.name!r}: it is a smoothed (anti-outlier) int8 checkpoint whose "
+                "norms and projections were rescaled per channel; serve the floating-point model with "
+                "quantization 'w8a8', or write the checkpoint with `mindie-host quantize --no-smooth`"
+            )
         self.lora = runtime
         return True
 
