@@ -115,7 +115,15 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
 
     :param request: the :class:`~mindie_host.engine.request.EngineRequest`,
         already tokenized and range-checked; mutate it in place (e.g. set
-        ``adapter``, ``adapter_index`` and ``cache_salt``).
+        ``adapter``, ``adapter_index`` and ``cache_salt``). This is also the
+        input-processing seam for typed content items (images): the protocol
+        parsers put the text a media handler gives for each item
+        (:mod:`mindie_host.server.content`) into the prompt; the plugin then
+        rewrites ``prompt_token_ids`` (placeholder spans, re-checking the length
+        limit), sets ``payload`` (opaque to the engine, handed to the backend in
+        ``ModelInput.payloads`` with every step that computes the request) and
+        ``span_keys`` (``(start, end, key)``: a prefix cache mixes ``key`` into the
+        hash of every block overlapping the span, e.g. an image's content hash).
     :param body: the raw JSON body as received.
     :param protocol: ``"openai"``, ``"tgi"``, ``"vllm"``, ``"triton"`` or ``"native"``.
     :param host: the running host.

@@ -32,8 +32,9 @@ def _spread(lm_head: torch.nn.Module) -> None:
         lm_head.weight.mul_(8.0)
 
 
-def make_tiny_llava(directory: Path, image_size: int = 56, seed: int = 0) -> Path:
-    """A 2-layer LLaVA: CLIP tower (patch 14, ``image_size`` px), 2-layer MLP projector, Llama LM."""
+def make_tiny_llava(directory: Path, image_size: int = 56, seed: int = 0, *, hidden_size: int = 64,
+                    num_layers: int = 2, vision_hidden: int = 32, vision_layers: int = 2) -> Path:
+    """A small LLaVA: CLIP tower (patch 14, ``image_size`` px), 2-layer MLP projector, Llama LM (2 layers, 64 wide)."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -47,9 +48,11 @@ def make_tiny_llava(directory: Path, image_size: int = 56, seed: int = 0) -> Pat
     tok = _tokenizer(["<image>"])
     image_id = tok.convert_tokens_to_ids("<image>")
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                              num_hidden_layers=vision_layers, num_attention_heads=2,
                               image_size=image_size, patch_size=14, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,

@@ -112,6 +112,9 @@ def test_spec_errors_are_422(server: RunningServer, media_dir: Path) -> None:
     not_image = "data:image/png;base64," + base64.b64encode(b"plain text").decode()
     assert fail in _error(_tgi(server, _items(not_image)))
     assert fail in _error(_tgi(server, _items("data:image/png;base64,@@@")))
+    # 20 images (320 placeholder tokens) and a long text: over maxInputTokenLen (400) once widened
+    over = [{"type": "image_url", "image_url": png}] * 20 + [{"type": "text", "text": "word " * 120}]
+    assert "placeholder tokens; the limit is 400" in _error(_tgi(server, over))
     # the image text typed by hand, without an image part
     assert "image placeholder" in _error(_tgi(server, [{"type": "text", "text": "look <image> here"}]))
     # the same checks on the OpenAI route, in its error format
