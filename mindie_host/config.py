@@ -392,6 +392,12 @@ class ServerConfig:
       all arrived this long after its first byte (or after it opened) is closed (slowloris).
     * ``bodyReadTimeoutSeconds``: a business request whose body has not all arrived this
       long after its headers gets 408; the body is read before a ``maxLinkNum`` slot is taken.
+    * ``engineProcess``: run the engine core (scheduler, KV manager, model) in its own
+      process, supervised by the HTTP front end (docs/architecture.md).
+    * ``engineRestartMaxRetries``: with ``engineProcess``, how many times in a row a dead
+      engine process is restarted before liveness fails (0: never restart).
+    * ``engineRestartBackoffSeconds``: the wait before the first restart; it doubles with
+      each further restart in a row.
     """
 
     ipAddress: str = _key("127.0.0.1", _IPV4)
@@ -440,6 +446,9 @@ class ServerConfig:
     shutdownDrainSeconds: float = _key(30.0, _num(0, 3600))
     headerReadTimeoutSeconds: float = _key(10.0, _num(0, 3600, lo_open=True))
     bodyReadTimeoutSeconds: float = _key(30.0, _num(0, 3600, lo_open=True))
+    engineProcess: bool = _key(False, _BOOL)
+    engineRestartMaxRetries: int = _key(3, _int(0, 100))
+    engineRestartBackoffSeconds: float = _key(1.0, _num(0, 600))
 
 
 _MODEL_NAME_RULE = _Rule(

@@ -63,6 +63,11 @@ class Host:
         errors = self.plugins.validate(cfg)
         if errors:
             raise PluginError("plugin configuration rejected:\n  " + "\n  ".join(errors))
+        if cfg.server.engineProcess:  # the model loads in the engine process (engine/process.py)
+            from .engine.process import load_front_end
+
+            load_front_end(self)
+            return
         mc = self.model_config
         backend = self.plugins.hook.mindie_host_model_backend(
             backend_type=mc.backendType, model_config=mc, config=cfg
@@ -170,6 +175,8 @@ class Host:
         stats: dict[str, float] = {}
         if self.llm is not None:
             stats.update(self.llm.stats())
+        else:  # engine process: the statistics its last step sent
+            stats.update(getattr(self.engine, "engine_stats", {}))
         if self.engine is not None:
             stats["num_active_requests"] = float(self.engine.num_active)
         for extra in self.plugins.hook.mindie_host_metrics(host=self):

@@ -288,6 +288,12 @@ def _extra_families(host: Host, label: str) -> Iterator[Metric]:
                                       labels=("model_name",))
         counter.add_metric((label,), float(gate.rejected))
         yield counter
+    restarts = getattr(host.engine, "restarts", None)
+    if restarts is not None:  # engineProcess: restarts of the engine process (engine/process.py)
+        counter = CounterMetricFamily("mindie_host_engine_restarts", "Restarts of the engine process after it died.",
+                                      labels=("model_name",))
+        counter.add_metric((label,), float(restarts))
+        yield counter
     spec_names = {name for name, _, _ in SPEC_SCALARS}
     for key, value in plugin_metrics(host).items():
         if key in spec_names or key in _ENGINE_KEYS or not _METRIC_NAME.fullmatch(key):

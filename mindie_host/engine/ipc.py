@@ -1,0 +1,67 @@
+"""Wire format between the HTTP front end and the engine-core process.
+
+Messages are msgpack (msgspec) frames over ZeroMQ. Requests and outputs cross as
+their dataclasses (:class:`EngineRequest`, :class:`RequestOutput`), which msgspec
+encodes field by field. Three request fields may hold arbitrary Python objects
+(``logits_constraint``, ``payload`` and ``extras``): when set, they travel as one
+pickled blob next to the plain fields, so the common request costs no pickle.
+
+Front end -> engine: ``(ADD, request, blob)``, ``(ABORT, request_id)``, ``(ABORT_ALL,)``,
+``(SHUTDOWN,)``. Engine -> front end: ``(READY, info_blob)``, ``(OUTPUTS, [outputs...], stats)``
+once per step, ``(FAILED, message)`` when the engine could not start.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+
+from .request import EngineRequest, RequestOutput
+
+ADD, ABORT, ABORT_ALL, SHUTDOWN = "add", "abort", "abort_all", "shutdown"
+READY, OUTPUTS, FAILED = "ready", "outputs", "failed"
+
+#: Request fields that may hold any Python object; pickled only when set.
+OPAQUE_FIELDS = ("logits_constraint", "payload", "extras")
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
+_outputs_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
+
+
+def encode_request(request: EngineRequest) -> list[bytes]:
+    """Frames of an ``ADD`` message: kind, the plain request, the pickled opaque fields (or b"")."""
+    opaque = {name: getattr(request, name) for name in OPAQUE_FIELDS if getattr(request, name)}
+    plain = replace(request, logits_constraint=None, payload=None, extras={}) if opaque else request
+    blob = pickle.dumps(opaque, protocol=pickle.HIGHEST_PROTOCOL) if opaque else b""
+    return [ADD.encode(), _encoder.encode(plain), blob]
+
+
+def decode_request(frames: list[bytes]) -> EngineRequest:
+    """The :class:`EngineRequest` of an ``ADD`` message's frames."""
+    request = _request_decoder.decode(frames[1])
+    if request.span_keys is not None:
+        request.span_keys = [tuple(span) for span in request.span_keys]  # type: ignore[misc]
+    if frames[2]:
+        for name, value in pickle.loads(frames[2]).items():
+            setattr(request, name, value)
+    return request
+
+
+def encode(kind: str, *parts: Any) -> list[bytes]:
+    """Frames of a control or output message: kind, then one msgpack frame per part."""
+    return [kind.encode(), *(_encoder.encode(p) for p in parts)]
+
+
+def decode_outputs(frame: bytes) -> list[RequestOutput]:
+    """The batch of one ``OUTPUTS`` message."""
+    return _outputs_decoder.decode(frame)
+
+
+def decode(frame: bytes) -> Any:
+    """A msgpack frame as plain Python values."""
+    return _decoder.decode(frame)

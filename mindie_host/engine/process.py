@@ -1,0 +1,435 @@
+"""The engine core in its own process (``ServerConfig.engineProcess: true``), supervised by the front end.
+
+Two processes:
+
+* the **front end** (the HTTP server) parses, tokenizes and renders; its ``host.engine``
+  is an :class:`EngineProcessClient`, which has the same asyncio interface as
+  :class:`~mindie_host.engine.async_engine.AsyncEngine` (``generate``, ``abort``,
+  ``abort_all``, ``num_active``, ``dead``, ``step_hooks``);
+* the **engine core** (:func:`engine_core_main`, started with multiprocessing's ``spawn``)
+  builds a full :class:`~mindie_host.host.Host` from the same config and plugins (backend,
+  KV manager, scheduler) and steps its :class:`~mindie_host.engine.core.LLMEngine` on its
+  main thread.
+
+They talk over two ZeroMQ PUSH/PULL pipes on ``ipc://`` sockets with msgpack frames
+(:mod:`mindie_host.engine.ipc`; bench/ipc_bench.py measured the choice). Outputs come back
+once per step, with the engine statistics.
+
+Supervision: a monitor thread in the front end polls the output socket and the child's
+process sentinel. When the child dies, readiness turns 503 at once, every request in flight
+ends with an error output, and the engine is restarted with the same config after
+``engineRestartBackoffSeconds * 2**n`` seconds, at most ``engineRestartMaxRetries`` times
+in a row (a child that has served for :data:`HEALTHY_SECONDS` resets the count). When the
+budget is spent, :attr:`dead` is set and liveness fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from . import ipc
+from .async_engine import AsyncEngine
+from .request import EngineRequest, RequestError, RequestOutput
+
+if TYPE_CHECKING:
+    from ..backends.base import ModelInfo
+    from ..config import Config
+    from ..host import Host
+
+log = logging.getLogger("mindie_host.engine.process")
+
+#: A restarted engine that has run this long without dying resets the retry count.
+HEALTHY_SECONDS = 60.0
+_OUTPUTS = ipc.OUTPUTS.encode()
+#: How long a stopping engine process gets to exit before it is killed.
+STOP_SECONDS = 10.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not load the model (or died while loading)."""
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """``exit code 3`` or ``killed by SIGKILL`` for a child's exit code."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def plugin_specs(host: Host) -> list[tuple[str, str, bytes]]:
+    """The plugins registered on ``host`` by object (not by config), in a form the child can rebuild.
+
+    Modules travel by name; other objects are pickled. Builtins and config-enabled
+    plugins are re-enabled by the child itself.
+    """
+    specs: list[tuple[str, str, bytes]] = []
+    for name, plugin in host.plugins.pm.list_name_plugin():
+        if name.startswith("builtin:") or plugin is None:
+            continue
+        if isinstance(plugin, type(os)):
+            specs.append((name, "module", plugin.__name__.encode()))
+            continue
+        try:
+            specs.append((name, "pickle", pickle.dumps(plugin)))
+        except Exception as exc:
+            raise EngineStartError(
+                f"plugin {name!r} cannot be sent to the engine process ({exc}); "
+                "register it as a module or set ServerConfig.engineProcess to false"
+            ) from exc
+    return specs
+
+
+def limit_front_end_threads() -> int:
+    """Keep the front end's torch work on one thread, so it never competes with the engine's cores.
+
+    Returns the previous thread count. The engine process is spawned with the environment
+    unchanged, so it keeps every core.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return previous
+
+
+def load_front_end(host: Host) -> None:
+    """``Host.load`` in engine-process mode: tokenizer here, model in the engine process."""
+    from ..models.default import default_model_path
+    from ..models.weights import resolve_model
+    from ..tokenizer import load_tokenizer
+
+    mc = host.model_config
+    source = resolve_model(mc.modelWeightPath or str(default_model_path()))
+    host.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
+    client = EngineProcessClient(host)
+    host.info = client.launch()
+    host.engine = client
+    host.state["front_end_threads_before"] = limit_front_end_threads()
+    try:
+        host.plugins.hook.mindie_host_startup(host=host)
+    except Exception as exc:
+        client.stop()
+        raise EngineStartError(
+            f"a plugin failed to start in the front end ({type(exc).__name__}: {exc}); plugins that share "
+            "objects between request parsing and the model backend need ServerConfig.engineProcess false"
+        ) from exc
+
+
+class EngineProcessClient(AsyncEngine):
+    """The front end's handle on the engine-core process: same asyncio interface as :class:`AsyncEngine`."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+        self.host = host
+        self.config = host.config
+        self.specs = plugin_specs(host)
+        self.restarts = 0
+        self.engine_stats: dict[str, float] = {}
+        self.process: Any = None
+        self._spawn = multiprocessing.get_context("spawn")
+        self._zmq = zmq.Context()
+        self._dir = tempfile.mkdtemp(prefix="mindie-engine-")
+        self._push: zmq.Socket[bytes] | None = None
+        self._pull: zmq.Socket[bytes] | None = None
+        self._generation = 0
+        self._up = False
+        self._up_since = 0.0
+        self._attempts = 0  # restarts in a row since the engine last ran healthy
+        self._monitor: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def launch(self) -> ModelInfo:
+        """Start an engine process and wait until its model is loaded; returns its :class:`ModelInfo`."""
+        self._generation += 1
+        base = os.path.join(self._dir, str(self._generation))
+        push = self._zmq.socket(zmq.PUSH)
+        pull = self._zmq.socket(zmq.PULL)
+        push.bind(f"ipc://{base}-in")
+        pull.bind(f"ipc://{base}-out")
+        proc = self._spawn.Process(
+            target=engine_core_main, name="mindie-engine-core", daemon=True,
+            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid()),
+        )
+        proc.start()
+        try:
+            info = self._wait_ready(proc, pull)
+        except BaseException:
+            push.close(linger=0)
+            pull.close(linger=0)
+            _reap(proc)
+            raise
+        with self._lock:
+            old = (self._push, self._pull)
+            self._push, self._pull, self.process = push, pull, proc
+            self._up, self._up_since = True, time.monotonic()
+        for sock in old:
+            if sock is not None:
+                sock.close(linger=0)
+        log.info("engine process %d ready", proc.pid)
+        return info
+
+    def _wait_ready(self, proc: Any, pull: zmq.Socket[bytes]) -> ModelInfo:
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        poller.register(proc.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(1000))
+            if pull in events:
+                frames = pull.recv_multipart()
+                kind = frames[0].decode()
+                if kind == ipc.READY:
+                    info: ModelInfo = pickle.loads(frames[1])
+                    return info
+                if kind == ipc.FAILED:
+                    raise EngineStartError(f"the engine process could not start: {ipc.decode(frames[1])}")
+            elif proc.exitcode is not None:
+                raise EngineStartError(f"the engine process died while loading ({exit_reason(proc.exitcode)})")
+            if self._stopping:
+                raise EngineStartError("stopped while the engine process was loading")
+
+    def start(self) -> None:
+        """Start the monitor thread (outputs and supervision)."""
+        if self._monitor is None:
+            self._monitor = threading.Thread(target=self._watch, name="mindie-engine-monitor", daemon=True)
+            self._monitor.start()
+
+    def run_here(self) -> None:
+        """``mindie-host serve`` hands its main thread to the engine; here the engine has its own process."""
+        self.start()
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        """Stop the engine process, end every request in flight, and release the sockets."""
+        if self._stopping and self._stopped.is_set():
+            return
+        self._stopping = True
+        with self._lock:
+            self._up = False
+            if self._push is not None:
+                self._push.send_multipart(ipc.encode(ipc.SHUTDOWN), flags=zmq.NOBLOCK)
+        if self.process is not None:
+            _reap(self.process, STOP_SECONDS)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=STOP_SECONDS)
+        self._fail_all("The service has been stopped.")
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        previous = self.host.state.pop("front_end_threads_before", None)
+        if previous:
+            import torch
+
+            torch.set_num_threads(previous)
+        self._stopped.set()
+
+    def call(self, fn: Callable[[Any], Any]) -> None:
+        """Not available: the engine object lives in another process."""
+        raise RequestError(
+            "this operation needs the engine in the server's process; set ServerConfig.engineProcess to false",
+            status=501,
+        )
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _post(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        with self._lock:
+            if self._up and self._push is not None:
+                frames = ipc.encode_request(payload) if kind == "add" else ipc.encode(ipc.ABORT, payload)
+                self._push.send_multipart(frames, copy=False)
+                return
+        if kind == "add":  # the engine is down or restarting: this request ends now, with an error
+            self._dispatch([_failed(payload, "The engine is restarting; retry the request shortly.")])
+
+    # -- monitor thread ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping:
+            proc, pull = self.process, self._pull
+            assert pull is not None
+            self._pump(proc, pull)
+            if self._stopping:
+                break
+            self._recover(proc)
+            if self.dead:
+                break
+
+    def _pump(self, proc: Any, pull: zmq.Socket[bytes]) -> None:
+        """Dispatch outputs until the engine process exits (or the client stops)."""
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        poller.register(proc.sentinel, zmq.POLLIN)
+        while not self._stopping:
+            events = dict(poller.poll(200))
+            if pull in events:
+                self._receive(pull)
+            if proc.exitcode is not None:
+                self._receive(pull)  # what it sent before it died
+                return
+
+    def _receive(self, pull: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed by stop()
+                return
+            if frames[0] == _OUTPUTS:
+                outputs = ipc.decode_outputs(frames[1])
+                self.engine_stats = ipc.decode(frames[2])
+                if outputs:
+                    self._dispatch(outputs)
+
+    def _recover(self, proc: Any) -> None:
+        """The engine process died: fail what it held, then restart it within the retry budget."""
+        why = exit_reason(proc.exitcode)
+        with self._lock:
+            healthy = time.monotonic() - self._up_since >= HEALTHY_SECONDS
+            self._up = False
+        self.host.ready = False  # readiness answers 503 from now on
+        message = f"the engine process died ({why}); the request was not completed"
+        log.error("engine process %d died (%s); ending %d requests in flight", proc.pid, why, self.num_active)
+        self._fail_all(message)
+        if healthy:
+            self._attempts = 0
+        cfg = self.config.server
+        while not self._stopping:
+            attempts = self._attempts
+            if attempts >= cfg.engineRestartMaxRetries:
+                self.dead = (f"the engine process died ({why}) and {attempts} restarts "
+                             f"(engineRestartMaxRetries) did not bring it back")
+                log.error("%s; liveness now fails", self.dead)
+                return
+            self._attempts = attempts + 1
+            delay = cfg.engineRestartBackoffSeconds * (2 ** attempts)
+            log.warning("restarting the engine process in %g s (restart %d of at most %d in a row; reason: %s)",
+                        delay, attempts + 1, cfg.engineRestartMaxRetries, why)
+            time.sleep(delay)
+            if self._stopping:
+                return
+            self.restarts += 1
+            try:
+                self.launch()
+            except Exception as exc:
+                why = str(exc)
+                log.error("engine restart failed: %s", exc)
+                continue
+            if not self.host.draining:
+                self.host.ready = True
+            return
+
+    def _fail_all(self, message: str) -> None:
+        outs = [
+            RequestOutput(rid, [], "", "", [], 0, finished=True, finish_reason="error", error=message)
+            for rid in list(self._queues)
+        ]
+        self._dispatch(outs)
+
+
+def _reap(proc: Any, timeout: float = 0.0) -> None:
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join(5)
+
+
+def _failed(request: EngineRequest, message: str) -> RequestOutput:
+    return RequestOutput(
+        request.request_id, [], "", "", [], len(request.prompt_token_ids),
+        finished=True, finish_reason="error", error=message,
+    )
+
+
+# -- the engine-core process ------------------------------------------------------------------------
+def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_addr: str, out_addr: str,
+                     parent_pid: int) -> None:
+    """Entry point of the engine process: load the model as the server would, then serve steps."""
+    import importlib
+
+    from ..host import Host
+    from ..logs import setup_logging
+
+    setup_logging(config.LogConfig, to_stderr=True)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    pull.connect(in_addr)
+    push.connect(out_addr)
+    try:
+        config.server.engineProcess = False  # this process is the engine
+        host = Host(config)
+        for name, kind, data in specs:
+            plugin = importlib.import_module(data.decode()) if kind == "module" else pickle.loads(data)
+            host.plugins.register(plugin, name)
+        host.load()
+    except BaseException as exc:
+        log.exception("engine process failed to load")
+        push.send_multipart(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
+        push.close(linger=2000)
+        ctx.term()
+        raise SystemExit(3) from None
+    push.send_multipart([ipc.READY.encode(), pickle.dumps(host.info)])
+    try:
+        _serve_steps(host, pull, push, parent_pid)
+    finally:
+        host.shutdown()
+        push.close(linger=1000)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], parent_pid: int) -> None:
+    llm = host.llm
+    assert llm is not None
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while True:
+        outputs: list[RequestOutput] = []
+        if poller.poll(0 if llm.has_work() else 500):
+            while True:
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                kind = frames[0].decode()
+                if kind == ipc.ADD:
+                    request = ipc.decode_request(frames)
+                    try:
+                        llm.add_request(request)
+                    except Exception as exc:
+                        outputs.append(_failed(request, str(exc)))
+                elif kind == ipc.ABORT:
+                    out = llm.abort(ipc.decode(frames[1]))
+                    if out is not None:
+                        outputs.append(out)
+                elif kind == ipc.SHUTDOWN:
+                    return
+        elif os.getppid() != parent_pid:
+            log.error("the front end is gone; the engine process exits")
+            return
+        if llm.has_work():
+            try:
+                outputs.extend(llm.step())
+            except Exception:
+                log.exception("engine step failed; ending the requests it was serving")
+                outputs.extend(llm.fail_active("generation failed in an engine step; the server log has the details"))
+        if outputs:
+            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, llm.stats()), copy=False)
