@@ -228,7 +228,12 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
             if host.engine is not None:
                 host.engine.stop()
 
+    signals = [0]
+
     def on_signal(signum: int, frame: object) -> None:
+        signals[0] += 1
+        if signals[0] >= 2 and not host.ready and host.engine is None:
+            raise KeyboardInterrupt  # asked twice while the model is still loading: give up the load now
         loop = host.state.get("loop")
         if loop is not None:
             loop.call_soon_threadsafe(on_stop_signal, host)
