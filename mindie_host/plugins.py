@@ -45,6 +45,7 @@ KNOWN_PACKAGES: dict[str, str] = {
     "prefix_cache": "mindie-plugin-prefix-cache",
     "splitfuse": "mindie-plugin-splitfuse",
     "multi_lora": "mindie-plugin-multi-lora",
+    "multimodal": "mindie-plugin-multimodal",
     "ms": "mindie-plugin-backends-ms",
     "atb": "mindie-plugin-backends-atb",
 }

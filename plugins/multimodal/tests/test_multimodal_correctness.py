@@ -80,6 +80,8 @@ class Reference:
         for t in ids:
             expanded.extend([t] * next(it) if t == self.image_id else [t])
         input_ids = torch.tensor([expanded])
+        self.last_prompt_len = len(expanded)
+        self.last_image_start = expanded.index(self.image_id)
         if self.cfg.model_type != "llava":
             kwargs["mm_token_type_ids"] = (input_ids == self.image_id).int()
         with torch.no_grad():
@@ -154,13 +156,18 @@ def test_two_images_in_one_batch_and_in_one_prompt(family: str, llava: Path, qwe
     assert encoded and float(encoded[0].split()[-1]) == 4.0, encoded
 
 
-def test_prefix_cache_keys_blocks_by_image(llava: Path) -> None:
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_prefix_cache_keys_blocks_by_image(family: str, llava: Path, qwen: Path) -> None:
     """The same image reuses its cached blocks; a different image with the same text never does."""
-    ref = Reference(llava)
-    a, b = image_png(56, 56, 4), image_png(56, 56, 5)
+    path = llava if family == "llava" else qwen
+    ref = Reference(path)
+    size = (56, 56) if family == "llava" else (112, 112)  # 16 placeholder tokens each
+    a, b = image_png(*size, 4), image_png(*size, 5)
     long_text = ["A long shared instruction for the model, written twice over. " * 3, " What is shown here?"]
-    want_a, want_b = ref.generate(long_text, [a]), ref.generate(long_text, [b])
-    with RunningServer(mm_config(llava, prefix_cache=True)) as server:
+    want_b = ref.generate(long_text, [b])
+    want_a = ref.generate(long_text, [a])
+    prompt_len, image_start = ref.last_prompt_len, ref.last_image_start
+    with RunningServer(mm_config(path, prefix_cache=True)) as server:
         got1, _ = tgi_ids(server.url, long_text, [a])
         hit0 = server.wait_idle()["prefix_cache_hit_tokens"]
         got2, _ = tgi_ids(server.url, long_text, [a])
@@ -170,11 +177,10 @@ def test_prefix_cache_keys_blocks_by_image(llava: Path) -> None:
     assert_prefix_equal(got1, want_a)
     assert_prefix_equal(got2, want_a)
     assert_prefix_equal(got3, want_b)
-    text_ids = ref.tok.encode(long_text[0], add_special_tokens=False)
-    prompt_len = len(text_ids) + 16 + len(ref.tok.encode(long_text[1], add_special_tokens=False))
     assert hit0 == 0
+    assert (prompt_len - 1) // 16 > image_start // 16  # a cached whole block holds image tokens
     assert hit1 - hit0 == (prompt_len - 1) // 16 * 16  # every whole block, image blocks included
-    assert hit2 - hit1 == len(text_ids) // 16 * 16  # only the blocks before the image
+    assert hit2 - hit1 == image_start // 16 * 16  # only the blocks before the image
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen"])
