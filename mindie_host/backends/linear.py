@@ -47,6 +47,17 @@ def low_bit_kernels_available() -> bool:
     )
 
 
+def batch_invariant() -> bool:
+    """Whether a low-bit matrix is multiplied by its low-bit kernel at every row count (the default).
+
+    The low-bit kernels give each row the same bits whatever the other rows are, so a greedy
+    request's tokens do not depend on what else is in the batch; switching to MKL's fp32 GEMM
+    above a row count (``MINDIE_HOST_BATCH_INVARIANT=0``) is faster for long prefills but makes
+    the output depend on the batch (bench/PERF.md, "Batch invariance").
+    """
+    return os.environ.get("MINDIE_HOST_BATCH_INVARIANT", "1") != "0"
+
+
 def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a plain tensor or any weight format of this module (they are callables)."""
     return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
@@ -94,18 +105,24 @@ class LowBitWeight(ABC):
     #: up to this many rows the low-bit kernels are at least as fast as MKL's packed fp32 product (bench/PERF.md)
     max_rows = 16
 
-    def __init__(self, dense: Any) -> None:
+    def __init__(self, dense: Any, shape: torch.Size | None = None) -> None:
+        #: None in batch-invariant mode: every product reads the low-bit copy
         self.dense = dense
+        self._shape = shape if shape is not None else dense.shape
 
     @property
     def shape(self) -> torch.Size:
-        return self.dense.shape
+        return self._shape
 
     @abstractmethod
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense is None:  # batch-invariant: one kernel at every row count
+            out = self.small_product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            return out if bias is None else out + bias
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return apply_linear(self.dense, x, bias)
         out = self.small_product(x.to(torch.bfloat16)).to(x.dtype)
@@ -120,7 +137,7 @@ class FourBitWeight(LowBitWeight):
     """
 
     def __init__(self, groups: FourBitGroups, dense: Any) -> None:
-        super().__init__(dense)
+        super().__init__(dense, torch.Size(groups.codes.shape))
         codes = torch.from_numpy(groups.codes).to(torch.int32).contiguous()
         scale = torch.from_numpy(groups.scale)
         zero = torch.from_numpy(groups.offset) + 8 * scale  # the kernel computes (q - 8) * scale + zero
@@ -143,9 +160,11 @@ class Int8Weight(LowBitWeight):
 
     max_rows = 4
 
-    def __init__(self, dense: Any) -> None:
+    def __init__(self, dense: Any, keep_dense: bool = True) -> None:
         super().__init__(dense)
         weight = dense.weight if isinstance(dense, PackedWeight) else dense
+        if not keep_dense:
+            self.dense = None
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
         self.codes = torch.round(weight / scale[:, None]).to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)

@@ -23,6 +23,7 @@ from .linear import (
     LowBitWeight,
     PackedWeight,
     apply_linear,
+    batch_invariant,
     low_bit_kernels_available,
     mkl_packing_available,
 )
@@ -114,6 +115,8 @@ class Platform:
             return weight
         if stored is None or not low_bit_kernels_available():
             return PackedWeight(weight) if mkl_packing_available() else weight
+        if batch_invariant():  # the low-bit kernel at every row count; no dense copy is kept
+            return Int8Weight(weight, keep_dense=False) if stored == "int8" else FourBitWeight(stored, None)  # type: ignore[arg-type]
         low_bit: type[LowBitWeight] = Int8Weight if stored == "int8" else FourBitWeight
         # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
         buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
@@ -161,6 +164,8 @@ class Platform:
         and run as one batch when that at most doubles the rows (a wave of short prompts); otherwise
         (decodes next to a long prefill chunk) they run ragged.
         """
+        if self.device_type == "cpu" and meta.query_lens and batch_invariant():
+            return self._per_sequence_attention(q, k_cache, v_cache, meta, scale)
         if meta.pad_index is not None and meta.num_seqs * meta.max_query_len > 2 * q.shape[0]:
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
@@ -180,6 +185,35 @@ class Platform:
         if meta.pad_index is not None:
             out = out[meta.pad_index]
         return out
+
+    def _per_sequence_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Each sequence's attention on its own, over exactly its own context (batch-invariant mode).
+
+        A batched kernel's reductions depend on the batch (how it splits work across threads, how
+        far contexts are padded), so a token's attention output, and in the end a greedy request's
+        tokens, would change with the other requests in the step. Run alone, each sequence sees
+        the same shapes as when it is the only one served (bench/PERF.md, "Batch invariance").
+        """
+        heads, dim = q.shape[1], q.shape[2]
+        out = torch.empty_like(q)
+        start = 0
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            slots = meta.gather_index[i, :ctx]
+            mask = None
+            if n > 1:  # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n).view(1, 1, n, ctx)
+            o = self.attention(
+                q[start : start + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype),  # [1, H, n, D]
+                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0),
+                mask,
+                scale,
+            )
+            out[start : start + n] = o[0].transpose(0, 1).to(q.dtype)
+            start += n
+        return out.reshape(q.shape[0], heads, dim)
 
     def _ragged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
