@@ -84,14 +84,19 @@ class TokenizeServer:
         ids = self.host.tokenize(text) if text else []
         return {"token_number": len(ids), "tokens": merged_pieces(self.host.tokenizer, ids)}
 
+    def vllm_fields(self, body: Any, known: tuple[str, ...]) -> Fields:
+        """A vLLM route's body: an object of known fields whose ``model``, if sent, is served."""
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object", status=400, field="body")
+        refuse_unknown(body, known)
+        f = make_fields(self.host, body)
+        check_model(self.host, f)
+        return f
+
     def tokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's ``/tokenize``."""
         host = self.host
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object", status=400, field="body")
-        refuse_unknown(body, TOKENIZE_KEYS)
-        f = make_fields(host, body)
-        check_model(host, f)
+        f = self.vllm_fields(body, TOKENIZE_KEYS)
         has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
         if has_prompt == has_messages:
             raise RequestError("send exactly one of prompt and messages", status=400,
@@ -120,11 +125,7 @@ class TokenizeServer:
     def detokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's ``/detokenize``."""
         host = self.host
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object", status=400, field="body")
-        refuse_unknown(body, DETOKENIZE_KEYS)
-        f = make_fields(host, body)
-        check_model(host, f)
+        self.vllm_fields(body, DETOKENIZE_KEYS)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise RequestError("tokens must be a list of token ids", status=400, field="tokens")
