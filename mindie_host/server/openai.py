@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from ..structured import llg, parse_structured
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .content import MEDIA_TYPES, media_text
 from .params import build_sampling
@@ -327,6 +328,15 @@ def timings(out: RequestOutput) -> dict[str, Any]:
     return {"prefill_time": round(prefill, 3), "decode_time_arr": decode}
 
 
+async def constrain(host: Host, reqs: list[EngineRequest], grammar: str | None) -> None:
+    """Give every request its own matcher of ``grammar`` (response_format / guided decoding)."""
+    if grammar is None:
+        return
+    tokenizer = await asyncio.to_thread(llg.tokenizer_for, host)  # built once per host, off the event loop
+    for req in reqs:
+        req.logits_constraint = llg.GrammarConstraint(tokenizer, grammar)
+
+
 # -- endpoints ---------------------------------------------------------------------------------
 class OpenAIServer:
     """Handlers for one host."""
@@ -360,7 +370,13 @@ class OpenAIServer:
             f = make_fields(host, body)
             parsed = parse_common(host, f, chat=True)
             messages = chat_messages(f)
-            plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"))
+            plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"),
+                              parallel=f.bool("parallel_tool_calls", True) is not False)
+            structured = parse_structured(body)
+            if structured is not None and plan.constrained:
+                raise RequestError(f"{structured.field} cannot be combined with a required or named tool_choice",
+                                   field=structured.field, status=400)
+            grammar = await offload(host, llg.compile_grammar, structured) if structured is not None else None
             messages, tools = plan.prepare(messages, getattr(host.tokenizer, "chat_template", None) or "")
             prompt = await offload(host, host.apply_chat_template, messages, tools=tools)
             check_text_size(prompt, "messages")
@@ -371,6 +387,7 @@ class OpenAIServer:
                 await asyncio.to_thread(vocab_for, host)  # built once per tokenizer, off the event loop
                 for req in reqs:
                     req.logits_constraint = plan.constraint(host)
+            await constrain(host, reqs, grammar)
             created = int(time.time())
             if parsed.stream:
                 return streaming_response(self._chat_stream(reqs, parsed, base_id, created, plan))
@@ -492,8 +509,11 @@ class OpenAIServer:
             parsed = parse_common(host, f, chat=False)
             prompts = completion_prompts(f.raw("prompt"))
             echo = bool(f.bool("echo", False))
+            structured = parse_structured(body)
+            grammar = await offload(host, llg.compile_grammar, structured) if structured is not None else None
             base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
             reqs = await offload(host, self.make_requests, body, parsed, prompts, base_id)
+            await constrain(host, reqs, grammar)
             created = int(time.time())
             if parsed.stream:
                 return streaming_response(self._completion_stream(reqs, parsed, base_id, created, echo))

@@ -1,0 +1,105 @@
+"""Structured outputs on llguidance: JSON Schema, regex, a choice of strings, or a Lark/GBNF grammar.
+
+:func:`compile_grammar` turns a :class:`~mindie_host.structured.spec.StructuredSpec` into
+llguidance's grammar text and refuses (``RequestError``, 400) anything the library
+reports as an error or as a schema feature it cannot enforce. :class:`GrammarConstraint`
+is an ``EngineRequest.logits_constraint``: each step it feeds the new output tokens to
+the matcher and returns the allowed next token ids (a row of the vocabulary mask).
+The library's view of the tokenizer is built once per host (cached on ``host.state``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from ..engine.request import RequestError
+from .spec import StructuredSpec
+
+if TYPE_CHECKING:
+    from ..host import Host
+
+STATE_KEY = "structured.llguidance_tokenizer"
+#: JSON is written compactly (``", "`` and ``": "`` separators, no free whitespace), so a model
+#: cannot spend its token budget on blanks.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def host_eos(host: Host) -> list[int]:
+    """The end-of-sequence ids the grammar may end with."""
+    eos = list(host.info.eos_token_ids) if getattr(host, "info", None) is not None else []
+    if not eos and host.tokenizer.eos_token_id is not None:
+        eos = [host.tokenizer.eos_token_id]
+    return eos
+
+
+def make_tokenizer(tokenizer: Any, eos: list[int], vocab_size: int | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer."""
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size or len(tokenizer), eos_token=eos or None)
+
+
+def tokenizer_for(host: Host) -> llguidance.LLTokenizer:
+    """The host's :func:`make_tokenizer`, built on first use (about a second) and cached."""
+    cached = host.state.get(STATE_KEY)
+    if cached is None:
+        size = max(len(host.tokenizer), getattr(host.info, "vocab_size", 0) or 0)
+        cached = host.state[STATE_KEY] = make_tokenizer(host.tokenizer, host_eos(host), size)
+    return cached
+
+
+def compile_grammar(spec: StructuredSpec) -> str:
+    """llguidance grammar text for ``spec``; a 400 naming ``spec.field`` if it cannot be enforced."""
+    try:
+        if spec.kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+        elif spec.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
+        elif spec.kind == "choice":
+            grammar = llguidance.grammar_from("choice", json.dumps(spec.value))
+        else:
+            grammar = llguidance.grammar_from("grammar", spec.value)
+        is_error, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise RequestError(f"{spec.field} cannot be compiled: {str(exc).splitlines()[0][:300]}",
+                           field=spec.field, status=400) from None
+    if is_error or problems:
+        why = "; ".join(p.strip().splitlines()[0] for p in problems)[:500] or "invalid"
+        raise RequestError(f"{spec.field} cannot be enforced: {why}", field=spec.field, status=400)
+    return grammar
+
+
+class GrammarConstraint:
+    """``EngineRequest.logits_constraint`` that keeps one output inside a compiled grammar.
+
+    Called on the engine thread with the output token ids so far; returns the allowed next
+    token ids (the end-of-sequence ids once the grammar is complete). The output is cut at
+    ``max_tokens`` like any other (``finish_reason: length``) if the grammar is not complete.
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.tokenizer = tokenizer
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.mask = llg_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        self.seen = 0
+
+    @classmethod
+    def for_spec(cls, host: Host, spec: StructuredSpec) -> GrammarConstraint:
+        """A fresh constraint for one generated choice."""
+        return cls(tokenizer_for(host), compile_grammar(spec))
+
+    def __call__(self, output_token_ids: list[int]) -> np.ndarray | None:
+        m = self.matcher
+        for tid in output_token_ids[self.seen:]:
+            m.consume_token(tid)
+        self.seen = len(output_token_ids)
+        if m.is_error():
+            return None  # off the grammar (should not happen): stop constraining rather than fail
+        llg_numpy.fill_next_token_bitmask(m, self.mask, 0)
+        bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[: self.tokenizer.vocab_size]
+        allowed = np.flatnonzero(bits)
+        return allowed if allowed.size else None
