@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import hookimpl
+from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from ..structured import llg, parse_structured
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
-from .content import MEDIA_TYPES, media_text
 from .params import build_sampling
 from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
@@ -195,7 +195,7 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
                 if not isinstance(part, dict):
                     raise RequestError(f"{name}.content[{j}] must be an object", field=f"{name}.content[{j}]")
                 kind = part.get("type", "text")
-                if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+                if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.content)
                     parts.append(media_text(kind, part, f"{name}.content[{j}]"))
                     continue
                 if kind != "text":
