@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 from . import hookimpl
-from .backends.base import ModelBackend, ModelInfo, ModelInput
+from .backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
 from .backends.torch.backend import TorchBackend, resolve_dtype
 from .backends.torch.model import TorchLlama
+from .content import MediaHandler, register_media_handler, unregister_media_handler
 from .engine.kv_cache import KVCacheManager
 from .engine.policy import (
     SchedulerLimits,
@@ -36,10 +37,12 @@ __all__ = [
     "JsonToolParser",
     "KVCacheManager",
     "LlamaArch",
+    "MediaHandler",
     "ModelBackend",
     "ModelInfo",
     "ModelInput",
     "ModelSource",
+    "PayloadSlice",
     "Platform",
     "RequestError",
     "RequestOutput",
@@ -64,7 +67,9 @@ __all__ = [
     "order_fcfs",
     "order_priority",
     "plan_standard",
+    "register_media_handler",
     "resolve_dtype",
     "resolve_model",
     "select_platform",
+    "unregister_media_handler",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-from ..engine.request import RequestError
+from .engine.request import RequestError
 
 #: content-part types that carry media rather than text (spec §0.4)
 MEDIA_TYPES: tuple[str, ...] = ("image_url", "video_url", "audio_url")
@@ -35,7 +35,7 @@ class MediaHandler(Protocol):
 
 #: ``Host.state`` key of the host's media handler
 STATE_KEY = "media_handler"
-#: the host whose request this task is parsing (bound by :func:`mindie_host.server.app.read_json`)
+#: the host whose request this task is parsing (bound by ``mindie_host.server.app.read_json``)
 _current_host: ContextVar[Any] = ContextVar("mindie_host_current_host", default=None)
 
 

@@ -118,7 +118,7 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
         ``adapter``, ``adapter_index`` and ``cache_salt``). This is also the
         input-processing seam for typed content items (images): the protocol
         parsers put the text a media handler gives for each item
-        (:mod:`mindie_host.server.content`) into the prompt; the plugin then
+        (:mod:`mindie_host.content`) into the prompt; the plugin then
         rewrites ``prompt_token_ids`` (placeholder spans, re-checking the length
         limit), sets ``payload`` (opaque to the engine, handed to the backend in
         ``ModelInput.payloads`` with every step that computes the request) and

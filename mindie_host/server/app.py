@@ -21,9 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..content import bind_host
 from ..engine.request import RequestError
 from ..logs import current_request_id
-from .content import bind_host
 from .validation import parse_json_body
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 async def read_json(request: Request, host: Host) -> dict[str, Any]:
     """The request body as a JSON object, refusing bodies over ``maxRequestBodyBytes`` with 413."""
-    bind_host(host)  # media parts in the body are served by this host's plugins (server/content.py)
+    bind_host(host)  # media parts in the body are served by this host's plugins (mindie_host/content.py)
     limit = host.config.server.maxRequestBodyBytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:

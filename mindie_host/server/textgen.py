@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
-from .content import MEDIA_TYPES, media_text
 from .params import build_sampling
 from .validation import INT32_MAX, Fields, check_seed, check_text_size
 
@@ -131,7 +131,7 @@ def text_input(value: Any, field: str) -> str:
             if not isinstance(item, dict):
                 raise RequestError(f"{name} must be an object", field=name)
             kind = item.get("type", "text")
-            if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+            if kind in MEDIA_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.content)
                 parts.append(media_text(kind, item, name))
                 continue
             if kind != "text":

@@ -33,9 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import __version__, hookimpl
+from ..content import media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
-from .content import media_text
 from .management import not_ready_reason
 from .params import build_sampling
 from .textgen import tgi_finish_reason
@@ -377,7 +377,7 @@ def text_input(value: Any) -> str:
             if not isinstance(item, dict):
                 raise RequestError(f"{name} must be an object", field=name)
             kind = item.get("type", "text")
-            if kind in MULTIMODAL_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.server.content)
+            if kind in MULTIMODAL_TYPES:  # a plugin's placeholder text, or a 422 (mindie_host.content)
                 parts.append(media_text(kind, item, name))
                 continue
             if kind != "text":

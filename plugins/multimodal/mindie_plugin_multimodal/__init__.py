@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from mindie_host import hookimpl
-from mindie_host.api import EngineRequest, RequestError, resolve_model, select_platform
+from mindie_host.api import (
+    EngineRequest,
+    RequestError,
+    register_media_handler,
+    resolve_model,
+    select_platform,
+    unregister_media_handler,
+)
 
 from .backend import MultimodalTorchBackend
 from .inputs import ImagePreprocessor, MultimodalPayload, expand, mrope_positions
@@ -119,7 +126,7 @@ class ImageRuntime:
                 f"the tokenizer does not encode the image text {self.image_text!r} as the token(s) {ids}"
             )
 
-    # -- the protocol seam (mindie_host.server.content.MediaHandler) --------------------------
+    # -- the protocol seam (mindie_host.api.MediaHandler) --------------------------
     def placeholder(self, kind: str, item: dict[str, Any], field: str) -> str:
         if kind != "image_url":
             raise RequestError(f"{field}.type {kind!r} is not supported by this model (allowed: text, image_url)",
@@ -183,8 +190,6 @@ def mindie_host_startup(host: Any) -> None:
     """Build the image runtime and let the protocol parsers accept image parts."""
     if NAME not in host.model_config.plugins:
         return
-    from mindie_host.server.content import register_media_handler
-
     backend = host.backend
     if not isinstance(backend, MultimodalTorchBackend) or backend.spec is None:
         raise RuntimeError("plugin multimodal: the model backend is not the multimodal torch backend")
@@ -204,8 +209,6 @@ def mindie_host_shutdown(host: Any) -> None:
     """Stop accepting image parts for this host."""
     runtime = host.state.pop(NAME, None)
     if runtime is not None:
-        from mindie_host.server.content import unregister_media_handler
-
         unregister_media_handler(host)
 
 
