@@ -14,6 +14,7 @@ import binascii
 import hashlib
 import io
 import os
+import re
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ MAX_MULTIMODAL_URL_NUM = 20
 #: spec §1.3: an image is at most 20 MB
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 IMAGE_FORMATS = ("JPEG", "PNG", "MPO")
+BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 
 
 def default_cache_dir() -> Path:
@@ -104,10 +106,17 @@ def _http(url: str, policy: MediaPolicy, field: str) -> bytes:
     return data
 
 
+def _is_bare_base64(url: str) -> bool:
+    """The spec's "base64-encoded jpg" given without a ``data:`` prefix (not a path: no dot, length 4k)."""
+    return len(url) >= 64 and len(url) % 4 == 0 and "." not in url and BASE64.fullmatch(url) is not None
+
+
 def read_media(url: str, policy: MediaPolicy, field: str) -> tuple[bytes, bool]:
     """The bytes of a media URL, and whether they came from the client or the network (to cache)."""
     if url.startswith("data:"):
         return _data_url(url, field), True
+    if _is_bare_base64(url):
+        return _data_url("data:;base64," + url, field), True
     if url.startswith(("http://", "https://")):
         return _http(url, policy, field), True
     if "://" in url and not url.startswith("file://"):

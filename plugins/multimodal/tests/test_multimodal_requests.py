@@ -70,6 +70,10 @@ def test_every_protocol_takes_image_parts_with_the_same_result(server: RunningSe
                         timeout=120)
     assert native.status_code == 200, native.text
     assert text in native.text
+    # the spec's bare "base64-encoded jpg" (no data: prefix) is the same image
+    bare = _tgi(server, _items(base64.b64encode(png).decode()))
+    assert bare.status_code == 200, bare.text
+    assert bare.json()["generated_text"] == text
     # a server-local file inside allowedLocalMediaPath is the same image
     local = _tgi(server, _items(str(media_dir / "cat.png")))
     assert local.status_code == 200, local.text
