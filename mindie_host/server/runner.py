@@ -192,10 +192,10 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         active = host.engine.num_active if host.engine else 0
         seconds = host.config.server.shutdownDrainSeconds
         if active and not force.is_set():
-            log.info("stopping: refusing new requests; %d in flight may finish within %g s "
+            log.info("stopping: draining; new requests are refused, %d in flight may finish within %g s "
                      "(send the signal again to stop now)", active, seconds)
         else:
-            log.info("stopping: %d requests in flight", active)
+            log.info("stopping: draining %d requests in flight", active)
         await drain(host, seconds, force)
         await end_in_flight(host, force)
     finally:
