@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import socket
 import threading
 import time
@@ -48,7 +49,6 @@ def make_tiny_llama(
     holding it, e.g. where the default model's package is not installed; the environment
     variable ``MINDIE_HOST_TEST_TOKENIZER`` sets it too).
     """
-    import os
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -130,6 +130,8 @@ class RunningServer:
         from .host import Host
 
         self.config = config_from_dict(config)
+        if os.environ.get("MINDIE_HOST_TEST_ENGINE_PROCESS") == "1":  # run a test file against the engine process
+            self.config.server.engineProcess = True
         self.host = Host(self.config)
         for plugin, name in plugins or []:
             self.host.plugins.register(plugin, name)

@@ -130,6 +130,7 @@ def load_front_end(host: Host) -> None:
             f"a plugin failed to start in the front end ({type(exc).__name__}: {exc}); plugins that share "
             "objects between request parsing and the model backend need ServerConfig.engineProcess false"
         ) from exc
+    client.start()
 
 
 class EngineProcessClient(AsyncEngine):
@@ -308,6 +309,9 @@ class EngineProcessClient(AsyncEngine):
         message = f"the engine process died ({why}); the request was not completed"
         log.error("engine process %d died (%s); ending %d requests in flight", proc.pid, why, self.num_active)
         self._fail_all(message)
+        if self.host.draining:  # stopping anyway: no restart
+            self.dead = f"the engine process died ({why}) while the service was stopping"
+            return
         if healthy:
             self._attempts = 0
         cfg = self.config.server
@@ -367,6 +371,7 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
     from ..host import Host
     from ..logs import setup_logging
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
     setup_logging(config.LogConfig, to_stderr=True)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -394,6 +399,9 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
         push.close(linger=1000)
         pull.close(linger=0)
         ctx.term()
+        log.info("engine process stopped")
+        logging.shutdown()
+        os._exit(0)  # no waiting on helper threads that libraries leave running: the work is done
 
 
 def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], parent_pid: int) -> None:
