@@ -161,7 +161,8 @@ def test_request_timeout_cancels_and_frees(tiny_model: Path) -> None:
 
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_model: Path, tmp_path: Path) -> None:
     cfg = server_config(tiny_model, schedule={"maxIterTimes": 1000}, deploy={"maxSeqLen": 2048,
-                                                                              "maxInputTokenLen": 1024})
+                                                                              "maxInputTokenLen": 1024},
+                        server={"shutdownDrainSeconds": 300})  # the 1000 tokens finish within it on a loaded machine
     cfg["LogConfig"]["logPath"] = str(tmp_path / "server.log")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
