@@ -55,6 +55,24 @@ def _rope(text: dict[str, Any]) -> tuple[float, list[int] | None]:
     return theta, [int(s) for s in section] if section else None
 
 
+def _text_config(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config with transformers' defaults filled in.
+
+    Published checkpoints often write only the keys that differ from the defaults
+    (llava-1.5's ``text_config`` has no ``hidden_size``), and older Qwen2-VL configs keep the
+    LM keys at the top level; transformers' config classes know both.
+    """
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(str(path)).get_text_config().to_dict()
+    except Exception as exc:  # a config transformers cannot read
+        raise MultimodalModelError(f"{path / 'config.json'}: transformers cannot read it: {exc}") from exc
+    for key, value in (cfg.get("text_config") or {}).items():
+        text.setdefault(key, value)
+    return text
+
+
 def read_spec(path: Path) -> ModelSpec:
     """The :class:`ModelSpec` of the transformers-format model at ``path``."""
     cfg = json.loads((path / "config.json").read_text())
@@ -64,10 +82,7 @@ def read_spec(path: Path) -> ModelSpec:
             f"{path / 'config.json'}: model_type {cfg.get('model_type')!r} is not a multimodal model this plugin "
             f"serves (allowed: {sorted(FAMILIES)})"
         )
-    text = dict(cfg.get("text_config") or {})
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if key not in text and key in cfg:  # older Qwen2-VL configs keep the LM keys at the top level
-            text[key] = cfg[key]
+    text = _text_config(path, cfg)
     _, section = _rope(text if ("rope_parameters" in text or "rope_scaling" in text) else cfg)
     if family == "llava":
         token = cfg.get("image_token_index", cfg.get("image_token_id"))
@@ -103,7 +118,7 @@ def text_arch(spec: ModelSpec) -> LlamaArch:
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
         attention_bias=spec.family == "qwen2_vl" or bool(t.get("attention_bias", False)),
         bos_token_id=t.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=[e for e in eos_ids if 0 <= e < int(t["vocab_size"])],

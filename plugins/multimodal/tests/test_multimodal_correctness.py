@@ -198,3 +198,30 @@ def test_splitfuse_chunks_through_an_image(family: str, llava: Path, qwen: Path)
         steps = server.host.stats()
     assert_prefix_equal(got, want)
     assert steps["steps"] >= 4 + N - 1, steps  # the prompt ran in chunks of 8 tokens
+
+
+def test_vision_encoding_is_batched_across_requests(llava: Path) -> None:
+    """Three requests admitted in one prefill step: their four images go through the tower in one call."""
+    from mindie_host.api import SamplingParams
+    from mindie_host.testing import loaded_host, run_engine
+
+    ref = Reference(llava)
+    host = loaded_host(mm_config(llava))
+    pngs = [image_png(56, 56, 20 + i) for i in range(4)]
+    jobs = [(["Look: ", " now"], [pngs[0]]), (["Look: ", " now"], [pngs[1]]),
+            (["Both ", " and ", " here"], [pngs[2], pngs[3]])]
+    reqs = []
+    for i, (texts, images) in enumerate(jobs):
+        items: list[dict[str, Any]] = [{"type": "text", "text": texts[0]}]
+        for png, t in zip(images, texts[1:]):
+            items += [{"type": "image_url", "image_url": data_url(png)}, {"type": "text", "text": t}]
+        prompt = texts[0] + "".join(ref.image_text + t for t in texts[1:])
+        reqs.append(host.new_request(protocol="tgi", body={"inputs": items}, prompt=prompt, request_id=f"r{i}",
+                                     sampling=SamplingParams(max_tokens=N, temperature=0)))
+    assert [len(r.prompt_token_ids) for r in reqs][:2] == [len(reqs[0].prompt_token_ids)] * 2
+    outs = run_engine(host, reqs)
+    counters = host.backend.counters
+    assert counters["images_encoded"] == 4 and counters["vision_batches"] == 1, counters
+    for i, (texts, images) in enumerate(jobs):
+        assert_prefix_equal(outs[f"r{i}"].token_ids, ref.generate(texts, images))
+    assert all(item.embeds is None for r in reqs for item in r.payload.images)  # freed when each finished
