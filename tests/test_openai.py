@@ -373,16 +373,16 @@ def test_named_tool_choice_tiny(client):
 def test_required_tool_choice_and_stream_tiny(client):
     r = client.chat.completions.create(model=MODEL, messages=HI, tools=[WEATHER, ADD], tool_choice="required",
                                        max_tokens=200, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls"
-    for call in r.choices[0].message.tool_calls:  # parallel_tool_calls defaults to true: one or more calls
-        schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
-        jsonschema.validate(json.loads(call.function.arguments), schema)
+    schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
         chunks = list(client.chat.completions.create(model=MODEL, messages=HI, tools=[WEATHER, ADD],
                                                      tool_choice=choice, max_tokens=200, temperature=0, stream=True))
         deltas = [tcall for c in chunks if c.choices for tcall in (c.choices[0].delta.tool_calls or [])]
         assert deltas and deltas[0].id and deltas[0].function.name
-        args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        args = "".join(d.function.arguments or "" for d in deltas)
         name = deltas[0].function.name
         jsonschema.validate(json.loads(args), {"get_weather": WEATHER, "add": ADD}[name]["function"]["parameters"])
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
@@ -448,6 +448,6 @@ def test_named_tool_choice_default_model(default_server):
     assert "paris" in args["city"].lower()
     r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
                                   tools=[WEATHER, ADD], max_tokens=120, temperature=0, tool_choice="required")
-    call = r.choices[0].message.tool_calls[0]
+    (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "add"
     assert json.loads(call.function.arguments) == {"a": 2, "b": 3}

@@ -175,3 +175,20 @@ def test_parallel_tool_calls(tiny_server):
     assert [d["index"] for d in deltas] == [0, 1]
     assert [d["function"]["arguments"] for d in deltas] == [c["function"]["arguments"] for c in calls]
     assert chat(tiny_server, tools=[ADD], parallel_tool_calls="yes").status_code in (400, 422)
+
+
+
+def test_required_tool_choice_with_rich_schema(tiny_server):
+    """A tool schema beyond the builtin decoder's subset (bounds, anyOf) is enforced in full by llguidance."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["n", "tag"], "properties": {
+            "n": {"type": "integer", "minimum": 3, "maximum": 9},
+            "tag": {"anyOf": [{"type": "string", "pattern": "^[a-c]{2}$"}, {"type": "null"}]}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        for seed in (1, 2, 3):
+            r = chat(tiny_server, tools=[tool], tool_choice=choice, max_tokens=60, temperature=1.0, seed=seed,
+                     parallel_tool_calls=False)
+            body = r.json()["choices"][0]
+            assert body["finish_reason"] == "tool_calls", body
+            (call,) = body["message"]["tool_calls"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])

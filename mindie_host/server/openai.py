@@ -385,6 +385,7 @@ class OpenAIServer:
                 body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id))
             if plan.constrained:
                 await asyncio.to_thread(vocab_for, host)  # built once per tokenizer, off the event loop
+                await asyncio.to_thread(llg.tokenizer_for, host)
                 for req in reqs:
                     req.logits_constraint = plan.constraint(host)
             await constrain(host, reqs, grammar)

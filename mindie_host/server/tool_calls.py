@@ -5,7 +5,10 @@ to the ``mindie_host_tool_call_parser`` hook is here (``trylast``, so any plugin
 wins). A named ``tool_choice`` (and ``required``) is decoded under a grammar from
 :mod:`mindie_host.structured`, so it always yields a valid call.
 ``parallel_tool_calls`` (default true) lets one turn carry several calls; when it
-is false only the first call is returned.
+is false only the first call is returned. A named ``tool_choice`` is exactly one
+call of that function (as OpenAI does); ``required`` is decoded as exactly one call
+of one of the tools (vLLM's grammar allows a list; here a forced turn carries one
+call, and the model may call again in the next turn).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from .. import hookimpl
 from ..engine.request import RequestError
-from ..structured.json_grammar import Grammar, JsonConstraint
+from ..structured.json_grammar import DEFAULT_MAX_STRING, Grammar, JsonConstraint, within_subset
+from ..structured.llg import GrammarConstraint, bounded
+from ..structured.spec import StructuredSpec
 from ..structured.vocab import Vocab, build_vocab, token_strings, vocab_for
 from ..tool_parsers import (
     HermesToolParser,
@@ -152,14 +157,25 @@ class ToolPlan:
             return out, None
         return out, (offered or None)
 
-    def constraint(self, host: Host) -> JsonConstraint | None:
-        """A fresh logits constraint for one generated choice (``None`` when unconstrained)."""
-        if self.mode == "named":
-            fn = self.offered()[0]["function"]
-            return JsonConstraint.for_schema(host, fn.get("parameters") or {"type": "object", "properties": {}})
-        if self.mode == "required":
-            return JsonConstraint.for_tools(host, self.tools)
-        return None
+    def constraint(self, host: Host) -> JsonConstraint | GrammarConstraint | None:
+        """A fresh logits constraint for one generated choice (``None`` when unconstrained).
+
+        The builtin decoder (bounded strings, so even a random model ends its call) serves schemas
+        within its subset; any other schema goes to llguidance, which enforces all of it.
+        """
+        if self.mode not in ("named", "required"):
+            return None
+        offered = self.offered()
+        schemas = [t["function"].get("parameters") or {"type": "object", "properties": {}} for t in offered]
+        if all(within_subset(s) for s in schemas):
+            if self.mode == "named":
+                return JsonConstraint.for_schema(host, schemas[0])
+            return JsonConstraint.for_tools(host, offered)
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t["function"]["name"]}, "arguments": s}}
+                 for t, s in zip(offered, schemas)]
+        schema = bounded(schemas[0] if self.mode == "named" else {"anyOf": calls}, DEFAULT_MAX_STRING)
+        return GrammarConstraint.for_spec(host, StructuredSpec("json", schema, "tools"))
 
     def finish(self, text: str, finish_reason: str) -> tuple[str, list[dict[str, Any]] | None, str]:
         """``(content, tool_calls, finish_reason)`` for a complete output."""
@@ -178,8 +194,8 @@ class ToolPlan:
                 obj = json.loads(text)
             except ValueError:
                 obj = None
-            call = call_from_obj(obj)
-            calls = [call] if call else None
+            found = [call_from_obj(o) for o in (obj if isinstance(obj, list) else [obj])]
+            calls = found if found and all(found) else None  # type: ignore[assignment]
         else:
             calls = self.parser.parse(text)
         if not calls:

@@ -320,3 +320,26 @@ class JsonConstraint:
                 if child[0]:
                     stack.append((child, ns))
         return out
+
+
+#: JSON Schema keywords :class:`Grammar` enforces fully (or that only annotate); a schema using any
+#: other keyword (bounds, patterns, formats, anyOf, $ref, ...) goes to the llguidance engine instead.
+SUBSET_KEYS = frozenset({"type", "properties", "required", "items", "enum", "const", "maxLength", "title",
+                         "description", "default", "examples", "additionalProperties", "strict"})
+
+
+def within_subset(schema: Any) -> bool:
+    """Whether every part of ``schema`` is something :class:`Grammar` enforces (see :data:`SUBSET_KEYS`)."""
+    if not isinstance(schema, dict) or set(schema) - SUBSET_KEYS:
+        return False
+    kind = schema.get("type")
+    if isinstance(kind, list) or schema.get("additionalProperties") not in (None, False):
+        return False
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict) or not all(within_subset(p) for p in props.values()):
+            return False
+        if set(props) - set(schema.get("required") or []) and schema.get("required"):
+            return False  # optional properties next to required ones: Grammar would always leave them out
+    items = schema.get("items")
+    return items is None or within_subset(items)

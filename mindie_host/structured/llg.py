@@ -103,3 +103,24 @@ class GrammarConstraint:
         bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[: self.tokenizer.vocab_size]
         allowed = np.flatnonzero(bits)
         return allowed if allowed.size else None
+
+
+def bounded(schema: Any, limit: int) -> Any:
+    """A copy of ``schema`` that a model always finishes, as the builtin decoder bounds tool-call arguments.
+
+    Every free string (no maxLength, enum, const, pattern or format) is at most ``limit`` characters, and an
+    object with ``properties`` that does not say otherwise takes no other keys (``additionalProperties:
+    false``), so no free-form key can run on. Used for tool-call arguments only, never for response_format.
+    """
+    if isinstance(schema, list):
+        return [bounded(s, limit) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else bounded(v, limit)) for k, v in schema.items()}
+    kind = out.get("type")
+    is_string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+    if is_string and not {"maxLength", "enum", "const", "pattern", "format"} & set(out):
+        out["maxLength"] = limit
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
