@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,9 @@ from mindie_plugin_multimodal.testing import data_url, image_png, make_tiny_llav
 from mindie_host.testing import server_config
 
 __all__ = ["data_url", "image_png", "make_tiny_llava", "make_tiny_qwen2_vl", "mm_config"]
+
+# received images go to a throwaway cache, not the user's ~/.cache (a test may point it elsewhere)
+os.environ.setdefault("LOCAL_CACHE_DIR", tempfile.mkdtemp(prefix="mindie-mm-cache-"))
 
 
 def mm_config(model: Path, *, block: int = 16, prefix_cache: bool = False, plugins: dict[str, Any] | None = None,
