@@ -70,9 +70,12 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
                     lat[name].append(time.perf_counter() - t0)
                     assert r.status_code == 200, r.text
         diffs = [v - d for d, v in zip(lat["direct"], lat["coordinator"])]
+        print(f"latency p50 direct {1e3 * statistics.median(lat['direct']):.2f} ms, coordinator "
+              f"{1e3 * statistics.median(lat['coordinator']):.2f} ms", file=sys.stderr, flush=True)
         tput = {}
         for name, url in (("direct", direct), ("coordinator", via), ("direct_again", direct)):
             tput[name] = asyncio.run(throughput(url, args.concurrency, args.tput_requests, args.tput_tokens))
+            print(f"throughput {name}: {tput[name]:.2f} req/s", file=sys.stderr, flush=True)
     base = (tput["direct"] + tput["direct_again"]) / 2
     return {
         "latency_ms": {"direct_p50": 1e3 * statistics.median(lat["direct"]),
@@ -84,7 +87,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 async def throughput(url: str, concurrency: int, total: int, tokens: int) -> float:
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
-    remaining = total
+    remaining = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def worker(client: httpx.AsyncClient) -> None:
@@ -95,7 +98,8 @@ async def throughput(url: str, concurrency: int, total: int, tokens: int) -> flo
             assert r.status_code == 200, r.text
 
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(4)))  # warm-up
+        remaining = 8
+        await asyncio.gather(*(worker(client) for _ in range(4)))  # warm-up: 8 requests
         remaining = total
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))

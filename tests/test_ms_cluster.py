@@ -438,3 +438,38 @@ def test_sigkill_one_server_under_load(cluster):
     seen = {served_by(cluster, lambda: httpx.post(cluster.url + "/generate", json={
         "inputs": "Back", "parameters": {"max_new_tokens": 2}}, timeout=60))[0] for _ in range(2)}
     assert seen == {0, 1}
+
+
+def test_cluster_command_starts_everything_and_ctrl_c_stops_it(tmp_path):
+    model = make_tiny_llama(tmp_path / "tiny-llama")
+    cfg_path = tmp_path / "server.json"
+    cfg_path.write_text(json.dumps(server_config(model, schedule=SCHEDULE, deploy=DEPLOY)))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", "cluster", "--servers", "1", "--server-config",
+                             str(cfg_path), "--port", str(port), "--workdir", str(tmp_path / "work")],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        assert lines and lines[-1].startswith("ready:"), lines
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                       timeout=60)
+        assert r.status_code == 200
+        ports = [port]
+        for name in ("server-0.json", "ms_controller.json", "ms_coordinator.json"):
+            data = json.loads((tmp_path / "work" / name).read_text())
+            ports += [data["ServerConfig"]["port"], data["ServerConfig"]["managementPort"]] if "ServerConfig" in data \
+                else [data["http_server"]["port"]] if "http_server" in data else [int(data["http_config"]["manage_port"])]
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=60) == 0
+        for p in ports:  # every process is gone: nothing listens any more
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://127.0.0.1:{p}/", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

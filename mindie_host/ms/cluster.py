@@ -34,6 +34,16 @@ from .coordinator.config import default_coordinator_dict
 from .coordinator.instances import instance_id
 
 
+def _die_with_parent() -> None:
+    """In the child (Linux): get SIGTERM when the cluster's own process dies, so no server outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ClusterError(RuntimeError):
     """A process of the cluster did not start."""
 
@@ -121,7 +131,7 @@ class Cluster:
         self._logs.append(log)
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
 
     def start_server(self, k: int) -> None:
         """Start (or restart) server ``k``."""

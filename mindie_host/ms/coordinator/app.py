@@ -35,6 +35,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.applications import Starlette
+from starlette.routing import Route
 
 from ..logs import setup_ms_logging
 from .config import CoordinatorConfig
@@ -89,16 +91,9 @@ class Coordinator:
         await self.client.aclose()
         await self.mgmt_client.aclose()
 
-    def user_app(self) -> FastAPI:
-        """The user-facing app: everything is forwarded."""
-        app = FastAPI(title="mindie-host coordinator", docs_url=None, redoc_url=None, openapi_url=None)
-        forwarder = self.forwarder
-
-        @app.api_route("/{path:path}", methods=USER_METHODS)
-        async def forward(request: Request) -> Response:
-            return await forwarder.handle(request)
-
-        return app
+    def user_app(self) -> Starlette:
+        """The user-facing app: every path is forwarded (a bare Starlette app: no per-request validation cost)."""
+        return Starlette(routes=[Route("/{path:path}", self.forwarder.handle, methods=USER_METHODS)])
 
     def manage_app(self) -> FastAPI:
         """The cluster-internal management app."""
@@ -238,7 +233,7 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-def _uvicorn(app: FastAPI, host: str, port: int, ssl_ctx: Any, config: CoordinatorConfig) -> _Server:
+def _uvicorn(app: Any, host: str, port: int, ssl_ctx: Any, config: CoordinatorConfig) -> _Server:
     kw: dict[str, Any] = {}
     if ssl_ctx is not None:
         kw["ssl_context_factory"] = lambda _config, _default: ssl_ctx
