@@ -190,18 +190,17 @@ def mindie_host_startup(host: Any) -> None:
     """Build the image runtime and let the protocol parsers accept image parts."""
     if NAME not in host.model_config.plugins:
         return
-    backend = host.backend
-    if not isinstance(backend, MultimodalTorchBackend) or backend.spec is None:
-        raise RuntimeError("plugin multimodal: the model backend is not the multimodal torch backend")
+    # from config.json, not the backend: with ServerConfig.engineProcess the model lives in another process
+    spec = read_spec(resolve_model(host.model_config.modelWeightPath).path)
     s = settings(host.config)
     policy = MediaPolicy(
         allowed_dirs=[Path(d).expanduser().resolve() for d in _dirs(s["allowedLocalMediaPath"])],
         allow_http=bool(s["allowHttp"]), http_timeout_s=float(s["httpTimeoutS"]), cache_dir=default_cache_dir(),
     )
-    runtime = ImageRuntime(backend.spec, host.tokenizer, policy, host.max_input_tokens)
+    runtime = ImageRuntime(spec, host.tokenizer, policy, host.max_input_tokens)
     host.state[NAME] = runtime
     register_media_handler(host, runtime)
-    log.info("multimodal on: %s, image text %r", backend.spec.family, runtime.image_text)
+    log.info("multimodal on: %s, image text %r", spec.family, runtime.image_text)
 
 
 @hookimpl

@@ -225,3 +225,15 @@ def test_vision_encoding_is_batched_across_requests(llava: Path) -> None:
     for i, (texts, images) in enumerate(jobs):
         assert_prefix_equal(outs[f"r{i}"].token_ids, ref.generate(texts, images))
     assert all(item.embeds is None for r in reqs for item in r.payload.images)  # freed when each finished
+
+
+def test_engine_in_its_own_process(qwen: Path) -> None:
+    """``ServerConfig.engineProcess``: images are parsed in the front end and travel to the engine process."""
+    ref = Reference(qwen)
+    png = image_png(112, 56, 30)
+    want = ref.generate(["", TEXT], [png])
+    cfg = mm_config(qwen)
+    cfg["ServerConfig"]["engineProcess"] = True
+    with RunningServer(cfg) as server:
+        got, _ = tgi_ids(server.url, ["", TEXT], [png])
+    assert_prefix_equal(got, want)
