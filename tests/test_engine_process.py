@@ -95,6 +95,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow  # three model loads in spawned processes: about 80 s on 2 idle cores
 def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(tiny_model: Path) -> None:
     cfg = server_config(tiny_model, server={"engineProcess": True, "engineRestartMaxRetries": 1,
                                             "engineRestartBackoffSeconds": 0.1})
@@ -114,6 +115,7 @@ def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(
               "six requests running")
         os.kill(engine.process.pid, signal.SIGKILL)
         _wait(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 503, 2, "readiness 503")
+        assert "restarting" in httpx.get(f"{mgmt}/v2/health/ready").text
         assert httpx.get(f"{mgmt}/v2/health/live").status_code == 200  # it may come back: no pod restart
         for t in threads:
             t.join(CLIENT_TIMEOUT + 5)

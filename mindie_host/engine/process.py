@@ -153,6 +153,8 @@ class EngineProcessClient(AsyncEngine):
         self._up = False
         self._up_since = 0.0
         self._attempts = 0  # restarts in a row since the engine last ran healthy
+        #: Why the engine is being restarted (shown by readiness), or None.
+        self.restarting: str | None = None
         self._monitor: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -305,6 +307,7 @@ class EngineProcessClient(AsyncEngine):
         with self._lock:
             healthy = time.monotonic() - self._up_since >= HEALTHY_SECONDS
             self._up = False
+        self.restarting = f"the engine process died: {why}"
         self.host.ready = False  # readiness answers 503 from now on
         message = f"the engine process died ({why}); the request was not completed"
         log.error("engine process %d died (%s); ending %d requests in flight", proc.pid, why, self.num_active)
@@ -318,9 +321,10 @@ class EngineProcessClient(AsyncEngine):
         while not self._stopping:
             attempts = self._attempts
             if attempts >= cfg.engineRestartMaxRetries:
-                self.dead = (f"the engine process died ({why}) and {attempts} restarts "
-                             f"(engineRestartMaxRetries) did not bring it back")
+                self.dead = (f"the engine process died ({why}) after {attempts} restarts in a row; "
+                             f"engineRestartMaxRetries is {cfg.engineRestartMaxRetries}")
                 log.error("%s; liveness now fails", self.dead)
+                self.restarting = None
                 return
             self._attempts = attempts + 1
             delay = cfg.engineRestartBackoffSeconds * (2 ** attempts)
@@ -336,6 +340,7 @@ class EngineProcessClient(AsyncEngine):
                 why = str(exc)
                 log.error("engine restart failed: %s", exc)
                 continue
+            self.restarting = None
             if not self.host.draining:
                 self.host.ready = True
             return

@@ -48,6 +48,9 @@ def not_ready_reason(host: Host) -> str | None:
     if host.draining:
         return "The service has been stopped."
     if not host.ready:
+        restarting = getattr(host.engine, "restarting", None)  # engineProcess: the engine died and comes back
+        if restarting:
+            return f"The service is not ready: the engine is restarting ({restarting})."
         return "The service is not ready: the model is still loading."
     engine = host.engine
     if engine is not None and getattr(engine, "dead", None):
