@@ -10,7 +10,7 @@ short and the coordinator's share shows) behind a coordinator, all real processe
   ``--tput-tokens`` tokens (``ignore_eos``), direct, through the coordinator, direct again; reports
   requests/s and the ratio to the mean of the two direct runs.
 
-``affinity``: two servers on the default model with the ``prefix_cache`` plugin, a multi-turn chat load
+``affinity``: two servers on the default model (``--dtype``) with the ``prefix_cache`` plugin, a multi-turn chat load
 (``--conversations`` in parallel, ``--turns`` each, a distinct ~``--system-tokens`` system prompt per
 conversation, ``--max-tokens`` per answer), once through a coordinator with ``cache_affinity`` and once
 with ``round_robin`` (each run uses its own conversations, so neither finds the other's prefixes
@@ -19,7 +19,7 @@ cached). TTFT is measured on the streamed turns after the first; reports p50 and
 Run::
 
     python bench/ms_bench.py overhead --requests 300 -c 64 --tput-requests 640
-    python bench/ms_bench.py affinity --conversations 8 --turns 4
+    python bench/ms_bench.py affinity --conversations 6 --turns 3 --system-tokens 400 --max-tokens 8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="ms-bench-"))
     sched = {"maxBatchSize": 16, "maxPrefillBatchSize": 16, "maxPrefillTokens": 8192, "maxIterTimes": 256,
              "enablePrefixCache": True}
-    cfg = server_config(None, model={"plugin_params": json.dumps({"plugin_type": "prefix_cache"}), "maxKvBlocks": 1024},
+    model_cfg = {"plugin_params": json.dumps({"plugin_type": "prefix_cache"}), "maxKvBlocks": 512,
+                 "dtype": args.dtype}
+    cfg = server_config(None, model=model_cfg,
                         schedule=sched, deploy={"maxSeqLen": 4096, "maxInputTokenLen": 3800})
     model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
     out: dict[str, Any] = {}
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--turns", type=int, default=4)
     a.add_argument("--max-tokens", type=int, default=16)
     a.add_argument("--system-tokens", type=int, default=600, help="about this many words of system prompt")
+    a.add_argument("--dtype", default="auto", help="servers' dtype (bfloat16: ~1 GB per server instead of ~3 GB)")
     args = p.parse_args(argv)
     result = overhead(args) if args.cmd == "overhead" else affinity(args)
     print(json.dumps(result, indent=2))
