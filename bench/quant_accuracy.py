@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=4096, help="evaluation tokens at most")
     ap.add_argument("--alpha", type=float, default=0.5, help="w8a8 smoothing strength for the quantize command")
+    ap.add_argument("--only", help="run only the variants whose label contains this text (and the fp32 reference)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     model = Path(args.model) if args.model else default_model_path()
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if source.kind == "gguf":
             variants.insert(0, ("GGUF low-bit path (quantization: auto)", model, {"quantization": "auto"}))
         for label, path, kw in variants:
+            if args.only and args.only not in label:
+                continue
             rows[label] = compare(ref, run_logits(path, chunks, **kw), chunks)
             print(f"{label}: {rows[label]}", file=sys.stderr)
     base = rows["fp32 (quantization: none)"]["perplexity"]

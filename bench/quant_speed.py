@@ -8,6 +8,7 @@ the first step to the last (prefill included).
 
     python bench/quant_speed.py                       # the default model, every variant
     python bench/quant_speed.py --variants fp32,w8a8 --conc 1,16
+    python bench/quant_speed.py --kernels             # one layer's four products per kernel, ms
 """
 
 from __future__ import annotations
@@ -80,6 +81,39 @@ def run_one(name: str, model: str | None, conc: list[int], prompt: int, tokens: 
     return result
 
 
+def kernels(rows: tuple[int, ...] = (1, 16, 64), repeat: int = 50) -> None:
+    """ms for one decoder layer's four products of the default model (576 hidden, 1536 MLP, 3 KV heads of 64),
+    per kernel: fp32 ``F.linear``, w8a16 (``_weight_int8pack_mm``), w8a8 (per-token quantization + ``_int_mm``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from mindie_host.backends.int8 import W8A8DynamicWeight, W8A16Weight, quantize_per_channel
+
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    dense = [torch.randn(o, i) for o, i in shapes]
+    cpu = torch.device("cpu")
+    kinds: dict[str, list[Any]] = {
+        "fp32": [lambda x, w=w: F.linear(x, w) for w in dense],
+        "w8a16": [W8A16Weight(quantize_per_channel(w), cpu) for w in dense],
+        "w8a8": [W8A8DynamicWeight(quantize_per_channel(w, "dynamic"), cpu) for w in dense],
+    }
+    print("| kernel | " + " | ".join(f"{m} rows, ms" for m in rows) + " |")
+    print("| --- | " + " | ".join("---" for _ in rows) + " |")
+    for name, fns in kinds.items():
+        cells = []
+        for m in rows:
+            xs = [torch.randn(m, i) for _, i in shapes]
+            for f, x in zip(fns, xs):
+                f(x)
+            start = time.perf_counter()
+            for _ in range(repeat):
+                for f, x in zip(fns, xs):
+                    f(x)
+            cells.append(f"{(time.perf_counter() - start) / repeat * 1e3:.3f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF directory or .gguf (default: the default model)")
@@ -88,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--kernels", action="store_true", help="time one layer's products per kernel instead")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.kernels:
+        kernels()
+        return 0
     conc = [int(c) for c in args.conc.split(",")]
     if args.one:
         print(json.dumps(run_one(args.one, args.model, conc, args.prompt, args.tokens)))

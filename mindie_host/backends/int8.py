@@ -159,19 +159,23 @@ class QuantizedWeight(ABC):
 
 
 class W8A16Weight(QuantizedWeight):
-    """int8 weights, one scale per output channel; activations in floating point.
+    """int8 weights, one scale per output channel; activations in 16-bit floating point.
 
-    On CPU the product is ``_weight_int8pack_mm`` (reads the int8 codes, scales each
-    output), with float32 or bfloat16 activations; elsewhere the codes are widened to
-    the activations' dtype for each product (``(x @ q.T) * scale`` is the same sum).
+    On CPU, products of at most :attr:`kernel_rows` rows (decode) run ``_weight_int8pack_mm``
+    on bfloat16 activations: it reads the int8 codes and scales each output. Larger products
+    (prefill, big batches), and every product on other devices, widen the codes to the
+    activations' dtype and run the dense GEMM (``(x @ q.T) * scale`` is the same sum).
     """
+
+    #: up to this many rows the int8 kernel beats widening the codes for a dense product
+    kernel_rows = 16
 
     def __init__(self, matrix: Int8Matrix, device: torch.device) -> None:
         super().__init__(matrix, device)
         m = matrix.symmetric()
         self.codes = m.codes.to(device).contiguous()
         self.scale = m.scale.to(device=device, dtype=torch.float32)
-        self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
+        self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.packed_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
     @property
@@ -179,11 +183,9 @@ class W8A16Weight(QuantizedWeight):
         return self.codes.numel() + 4 * self.scale.numel()
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_kernel and x.dtype in (torch.float32, torch.bfloat16):
-            scale = self._scales.get(x.dtype)
-            if scale is None:
-                scale = self._scales.setdefault(x.dtype, self.scale.to(x.dtype))
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, scale)
+        if self.packed_kernel and x.shape[0] <= self.kernel_rows:
+            # the kernel's fast path takes bfloat16 activations (its float32 path is a slow reference loop)
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.codes, self.scale_bf16)
         return F.linear(x, self.codes.to(x.dtype)) * self.scale.to(x.dtype)
 
 
