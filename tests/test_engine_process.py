@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from mindie_host.api import hookimpl
 from mindie_host.engine import ipc
+from mindie_host.engine.process import EngineStartError
 from mindie_host.engine.request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from mindie_host.testing import RunningServer, make_tiny_llama, server_config
 
@@ -141,3 +143,39 @@ def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(
         refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                              timeout=CLIENT_TIMEOUT)
         assert refused.status_code == 503
+
+
+class HookPlaces:
+    """Notes which process runs each hook; refuses to start where there is no model backend."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def _note(self, what: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{what} {os.getpid()}\n")
+
+    @hookimpl
+    def mindie_host_kv_cache_manager(self, num_blocks: int, block_size: int, config: Any) -> None:
+        self._note("kv")
+
+    @hookimpl
+    def mindie_host_startup(self, host: Any) -> None:
+        self._note(f"startup-backend={host.backend is not None}")
+        if host.backend is None:
+            raise RuntimeError("this plugin shares an object with the model backend")
+
+
+def test_engine_hooks_run_in_the_engine_process_and_a_backend_bound_plugin_is_refused(
+        tiny_model: Path, tmp_path: Path) -> None:
+    notes = tmp_path / "hooks.txt"
+    srv = RunningServer(server_config(tiny_model, server={"engineProcess": True}),
+                        plugins=[(HookPlaces(notes), "hook-places")], timeout=180)
+    with pytest.raises(EngineStartError, match="engineProcess false"):
+        srv.start()
+    srv.stop()
+    engine = srv.host.engine
+    assert engine.process.exitcode is not None  # the engine process did not outlive the refusal
+    child = engine.process.pid
+    lines = notes.read_text().splitlines()
+    assert lines == [f"kv {child}", f"startup-backend=True {child}", f"startup-backend=False {os.getpid()}"]
