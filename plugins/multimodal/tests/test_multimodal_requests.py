@@ -153,3 +153,26 @@ def test_config_is_checked(tmp_path_factory: pytest.TempPathFactory) -> None:
     msg = str(info.value)
     assert "allowHttp" in msg and "colour" in msg and "not a multimodal model" in msg
     assert json.loads(bad["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"])
+
+
+def test_http_images_when_allowed(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> None:
+    """``allowHttp``: an http URL is fetched (here from a loopback file server); a failed fetch is a 422."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    model = make_tiny_llava(tmp_path_factory.mktemp("tiny-llava-http"))
+    try:
+        with RunningServer(mm_config(model, plugins={"multimodal": {"allowHttp": True, "httpTimeoutS": 5}})) as s:
+            by_url = _tgi(s, _items(f"{base}/cat.png"))
+            inline = _tgi(s, _items(data_url((media_dir / "cat.png").read_bytes())))
+            missing = _tgi(s, _items(f"{base}/missing.png"))
+    finally:
+        files.shutdown()
+    assert by_url.status_code == 200, by_url.text
+    assert by_url.json()["generated_text"] == inline.json()["generated_text"]
+    assert "[InferTokenizer::DownloadUrl] download fail: HTTPError" in _error(missing)
