@@ -107,6 +107,7 @@ async def throughput(url: str, concurrency: int, total: int, tokens: int) -> flo
 
 
 # -- affinity ----------------------------------------------------------------------------------------------------
+LONG_DEADLINES = {"first_token_timeout": 900, "infer_timeout": 1800}  # a loaded CPU can take minutes per turn
 TOPICS = ["volcanoes", "tea", "trains", "bees", "glaciers", "violins", "deserts", "comets", "coral", "bridges",
           "owls", "maps", "salt", "clocks", "rivers", "kites"]
 
@@ -154,6 +155,7 @@ def start_coordinator(work: Path, algorithm: str) -> tuple[subprocess.Popen[byte
     cfg = default_coordinator_dict()
     cfg["digs_scheduler_config"]["algorithm_type"] = algorithm
     cfg["log_info"]["log_level"] = "WARNING"
+    cfg["exception_config"].update(LONG_DEADLINES)
     port, manage = free_port(), free_port()
     cfg["http_config"].update(predict_port=str(port), manage_port=str(manage))
     path = work / f"coordinator-{algorithm}.json"
@@ -180,7 +182,8 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
     out: dict[str, Any] = {}
     with Cluster(work / "cluster", 2, server_config=cfg, coordinator={
-            "digs_scheduler_config": {"algorithm_type": "cache_affinity"}}) as cluster:
+            "digs_scheduler_config": {"algorithm_type": "cache_affinity"}, "exception_config": LONG_DEADLINES}) \
+            as cluster:
         status = json.loads((cluster.workdir / "logs/cluster_status_output.json").read_text())
         instances = [{"id": instance_id(s["ip"], s["port"]), "ip": s["ip"], "port": s["port"],
                       "metric_port": s["metric_port"], "model_name": s["model_name"], "static_info": s["static_info"],
