@@ -15,6 +15,8 @@ import pytest
 
 from mindie_host import hookimpl
 from mindie_host.server import tool_calls as tc
+from mindie_host.structured.json_grammar import JsonConstraint
+from mindie_host.structured.vocab import vocab_for
 from mindie_host.testing import RunningServer, server_config
 
 MODEL = "tiny"
@@ -339,9 +341,9 @@ def test_constraint_random_walks_stay_valid(tiny_server):
         "n": {"type": "number"}, "b": {"type": "boolean"}, "arr": {"type": "array", "items": {"type": "integer"}},
         "o": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}},
         "required": ["s", "e", "i", "n", "b", "arr", "o"]}
-    vocab = tc.vocab_for(host)
+    vocab = vocab_for(host)
     for seed in range(8):
-        c = tc.JsonConstraint.for_schema(host, schema)
+        c = JsonConstraint.for_schema(host, schema)
         rng = random.Random(seed)
         out: list[int] = []
         for _ in range(400):

@@ -80,7 +80,7 @@ def test_cut_output_says_length(tiny_server):
     r = chat(tiny_server, response_format=rf, temperature=1.0, seed=1, max_tokens=4)
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length"
-    assert choice["message"]["content"].startswith('{"text":"')
+    assert choice["message"]["content"].startswith('{"text": "')
 
 
 def test_json_object_and_text(tiny_server):

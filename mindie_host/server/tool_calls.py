@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import hookimpl
 from ..engine.request import RequestError
-from ..structured.json_grammar import DEFAULT_MAX_STRING, Grammar, JsonConstraint, within_subset
+from ..structured.json_grammar import DEFAULT_MAX_STRING, JsonConstraint, within_subset
 from ..structured.llg import GrammarConstraint, bounded
 from ..structured.spec import StructuredSpec
-from ..structured.vocab import Vocab, build_vocab, token_strings, vocab_for
+from ..structured.vocab import vocab_for
 from ..tool_parsers import (
     HermesToolParser,
     JsonToolParser,
@@ -38,9 +38,8 @@ if TYPE_CHECKING:
     from ..host import Host
 
 __all__ = [
-    "Grammar", "HermesToolParser", "JsonConstraint", "JsonToolParser", "ToolParser", "ToolPlan", "ToolStream",
-    "Vocab", "build_vocab", "builtin_parser", "make_call", "plan_tools", "token_strings", "validate_tools",
-    "vocab_for",
+    "HermesToolParser", "JsonToolParser", "ToolParser", "ToolPlan", "ToolStream", "builtin_parser", "make_call",
+    "plan_tools", "validate_tools", "vocab_for",
 ]
 
 
@@ -160,8 +159,10 @@ class ToolPlan:
     def constraint(self, host: Host) -> JsonConstraint | GrammarConstraint | None:
         """A fresh logits constraint for one generated choice (``None`` when unconstrained).
 
-        The builtin decoder (bounded strings, so even a random model ends its call) serves schemas
-        within its subset; any other schema goes to llguidance, which enforces all of it.
+        The builtin decoder serves schemas within its subset: it bounds strings (64 characters),
+        numbers (15 digits) and arrays (8 items), so even a random or greedy model ends its call.
+        Any other schema goes to llguidance, which enforces all of it, with free strings bounded
+        and objects closed (JSON Schema cannot bound a number's digits, so numbers there are not).
         """
         if self.mode not in ("named", "required"):
             return None

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from ..host import Host
 
 STATE_KEY = "structured.llguidance_tokenizer"
-#: JSON is written compactly (``", "`` and ``": "`` separators, no free whitespace), so a model
-#: cannot spend its token budget on blanks.
-JSON_OPTIONS = {"whitespace_flexible": False}
+#: JSON is written with ``", "`` and ``": "`` separators and no other whitespace (as ``json.dumps``
+#: writes it and models mostly read it), so a model cannot spend its token budget on blanks.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def host_eos(host: Host) -> list[int]:
