@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,7 +75,19 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int, prompts: lis
     same = sum(out == alone[p] for p, out in zip(batch, loaded))
     return {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
             "distinct_prompts": len(prompts), "identical": same, "alone_s": round(t_alone, 1),
-            "loaded_s": round(t_loaded, 1)}
+            "loaded_s": round(t_loaded, 1),
+            "loaded_tokens_per_s": round(requests * max_tokens / t_loaded, 1)}
+
+
+def prefill_ms(url: str, words: int, repeats: int = 3) -> float:
+    """Median time of a lone request whose long prompt is prefilled and one token made (ms)."""
+    prompt = " ".join(f"word{i % 50}" for i in range(words))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        complete(url, prompt, 1)
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2] * 1000, 1)
 
 
 def main() -> None:
@@ -82,14 +96,21 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many distinct prompts")
+    ap.add_argument("--prefill-words", type=int, default=0,
+                    help="also time a lone prefill of this many words (about 2.8 tokens a word)")
     ap.add_argument("--model", default=None, help="model path (default: the default model)")
     ap.add_argument("--config", default="{}", help='JSON overrides for server_config, e.g. {"model": {...}}')
     args = ap.parse_args()
     overrides = json.loads(args.config)
     cfg = server_config(args.model, **overrides)
-    with RunningServer(cfg) as server:
+    with RunningServer(cfg, timeout=900) as server:
         result = run(server.url, args.requests, args.concurrency, args.max_tokens, PROMPTS[: args.prompts])
+        print(json.dumps(result), file=sys.stderr, flush=True)  # the main figure, even if what follows fails
+        if args.prefill_words:
+            result["prefill_words"] = args.prefill_words
+            result["prefill_ms"] = prefill_ms(server.url, args.prefill_words)
     result["config"] = overrides
+    result["batch_invariant"] = os.environ.get("MINDIE_HOST_BATCH_INVARIANT", "1") != "0"
     print(json.dumps(result))
 
 
