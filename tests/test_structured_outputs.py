@@ -192,3 +192,21 @@ def test_required_tool_choice_with_rich_schema(tiny_server):
             assert body["finish_reason"] == "tool_calls", body
             (call,) = body["message"]["tool_calls"]
             jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("path,extra,field", [
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+])
+def test_unimplemented_openai_fields_are_refused(tiny_server, path, extra, field):
+    base = {"messages": HI} if "chat" in path else {"prompt": "Hi"}
+    r = post(tiny_server, path, {**base, "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    ok = {"modalities": ["text"], "store": False, "best_of": 1}
+    if field in ok:
+        assert post(tiny_server, path, {**base, "max_tokens": 2, field: ok[field]}).status_code == 200

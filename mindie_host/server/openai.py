@@ -90,8 +90,31 @@ def resolve_model(host: Host, fields: Fields) -> str:
     return model
 
 
+#: OpenAI request fields this server does not implement, with why: a request that sends one (other than
+#: as null, or the no-op value given) gets a 400 naming it rather than an answer that silently ignores it.
+UNSUPPORTED_CHAT = {
+    "functions": "the deprecated functions API; send tools", "function_call": "deprecated; send tool_choice",
+    "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported", "reasoning_effort": "this model does not reason",
+}
+UNSUPPORTED_COMPLETIONS = {"suffix": "insertion (suffix) is not supported"}
+NO_OP_VALUES = {"modalities": ["text"], "store": False, "service_tier": ("auto", "default"), "best_of": 1}
+
+
+def refuse_unsupported(f: Fields, *, chat: bool) -> None:
+    """A 400 for an OpenAI field that would otherwise be ignored (see docs/compatibility.md)."""
+    for key, why in (UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETIONS).items():
+        if f.raw(key) is not None:
+            raise RequestError(f"{key} is not supported: {why}", field=key, status=400)
+    for key, ok in NO_OP_VALUES.items():
+        value = f.raw(key)
+        if value is not None and value != ok and not (isinstance(ok, tuple) and value in ok):
+            raise RequestError(f"{key} is only supported as {ok!r}, got {value!r}", field=key, status=400)
+
+
 def parse_common(host: Host, f: Fields, *, chat: bool) -> ParsedRequest:
     """Fields both endpoints share, with the variant's ranges."""
+    refuse_unsupported(f, chat=chat)
     vllm = host.config.server.openAiSupport == "vllm"
     model = resolve_model(host, f)
     if vllm:
