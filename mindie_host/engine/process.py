@@ -25,6 +25,7 @@ budget is spent, :attr:`dead` is set and liveness fails.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -55,6 +56,14 @@ HEALTHY_SECONDS = 60.0
 _OUTPUTS = ipc.OUTPUTS.encode()
 #: How long a stopping engine process gets to exit before it is killed.
 STOP_SECONDS = 10.0
+
+
+#: Hooks the engine process calls; every other hook is called in the front end (docs/architecture.md).
+ENGINE_HOOKS = frozenset({
+    "mindie_host_model_backend", "mindie_host_backend_types", "mindie_host_kv_cache_manager",
+    "mindie_host_order_waiting", "mindie_host_filter_waiting", "mindie_host_plan_step",
+    "mindie_host_request_finished",
+})
 
 
 class EngineStartError(RuntimeError):
@@ -89,10 +98,14 @@ def plugin_specs(host: Host) -> list[tuple[str, str, bytes]]:
         try:
             specs.append((name, "pickle", pickle.dumps(plugin)))
         except Exception as exc:
-            raise EngineStartError(
-                f"plugin {name!r} cannot be sent to the engine process ({exc}); "
-                "register it as a module or set ServerConfig.engineProcess to false"
-            ) from exc
+            hooks = {caller.name for caller in host.plugins.pm.get_hookcallers(plugin) or []}
+            if hooks & ENGINE_HOOKS:
+                raise EngineStartError(
+                    f"plugin {name!r} implements engine hooks ({', '.join(sorted(hooks & ENGINE_HOOKS))}) but "
+                    f"cannot be sent to the engine process ({exc}); register it as a module or set "
+                    "ServerConfig.engineProcess to false"
+                ) from exc
+            log.info("plugin %r has no engine hooks and cannot be pickled: it runs in the front end only", name)
     return specs
 
 
@@ -156,6 +169,11 @@ class EngineProcessClient(AsyncEngine):
         #: Why the engine is being restarted (shown by readiness), or None.
         self.restarting: str | None = None
         self._monitor: threading.Thread | None = None
+        # runs before multiprocessing's own exit handler terminates the child: no restart at exit
+        atexit.register(self._exiting)
+
+    def _exiting(self) -> None:
+        self._stopping = True
 
     # -- lifecycle ---------------------------------------------------------------------------
     def launch(self) -> ModelInfo:
@@ -242,6 +260,7 @@ class EngineProcessClient(AsyncEngine):
             import torch
 
             torch.set_num_threads(previous)
+        atexit.unregister(self._exiting)
         self._stopped.set()
 
     def call(self, fn: Callable[[Any], Any]) -> None:
