@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from mindie_host.structured.spec import parse_structured
+from mindie_host.testing import RunningServer, server_config
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "Describe a person."}]
@@ -210,3 +211,13 @@ def test_unimplemented_openai_fields_are_refused(tiny_server, path, extra, field
     ok = {"modalities": ["text"], "store": False, "best_of": 1}
     if field in ok:
         assert post(tiny_server, path, {**base, "max_tokens": 2, field: ok[field]}).status_code == 200
+
+
+def test_structured_outputs_with_engine_process(tiny_model):
+    """With the engine in its own process the constraint travels pickled and still holds."""
+    with RunningServer(server_config(tiny_model, server={"engineProcess": True})) as srv:
+        rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        r = chat(srv, response_format=rf, temperature=1.0, seed=9, max_tokens=120)
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), PERSON)
+        r = post(srv, "/v1/completions", {"prompt": "x", "guided_choice": ["on", "off"], "max_tokens": 5})
+        assert r.json()["choices"][0]["text"] in ("on", "off")

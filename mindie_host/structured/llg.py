@@ -10,11 +10,12 @@ The library's view of the tokenizer is built once per host (cached on ``host.sta
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy as llg_numpy
 import numpy as np
 
@@ -38,12 +39,42 @@ def host_eos(host: Host) -> list[int]:
     return eos
 
 
-def make_tokenizer(tokenizer: Any, eos: list[int], vocab_size: int | None = None) -> llguidance.LLTokenizer:
+@dataclass
+class Tokenizer:
+    """llguidance's view of a tokenizer, and what rebuilds it in another process (``engineProcess``)."""
+
+    native: llguidance.LLTokenizer
+    spec: str  # the Hugging Face tokenizer.json text
+    n_vocab: int
+    eos: list[int]
+    key: str = field(default="")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.native.vocab_size
+
+
+#: tokenizers rebuilt in this process from a pickled constraint, by :attr:`Tokenizer.key`
+_REBUILT: dict[str, Tokenizer] = {}
+
+
+def make_tokenizer(tokenizer: Any, eos: list[int], vocab_size: int | None = None) -> Tokenizer:
     """llguidance's view of a Hugging Face fast tokenizer."""
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size or len(tokenizer), eos_token=eos or None)
+    spec = tokenizer.backend_tokenizer.to_str()
+    n_vocab = vocab_size or len(tokenizer)
+    native = llguidance.LLTokenizer(spec, n_vocab=n_vocab, eos_token=eos or None)
+    key = hashlib.sha256(spec.encode() + repr((n_vocab, eos)).encode()).hexdigest()
+    return Tokenizer(native, spec, n_vocab, list(eos), key)
 
 
-def tokenizer_for(host: Host) -> llguidance.LLTokenizer:
+def _rebuilt(key: str, spec: str, n_vocab: int, eos: list[int]) -> Tokenizer:
+    if key not in _REBUILT:
+        _REBUILT[key] = Tokenizer(llguidance.LLTokenizer(spec, n_vocab=n_vocab, eos_token=eos or None),
+                                  spec, n_vocab, eos, key)
+    return _REBUILT[key]
+
+
+def tokenizer_for(host: Host) -> Tokenizer:
     """The host's :func:`make_tokenizer`, built on first use (about a second) and cached."""
     cached = host.state.get(STATE_KEY)
     if cached is None:
@@ -81,11 +112,18 @@ class GrammarConstraint:
     ``max_tokens`` like any other (``finish_reason: length``) if the grammar is not complete.
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, grammar: str) -> None:
         self.tokenizer = tokenizer
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(tokenizer.native, grammar)
         self.mask = llg_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
         self.seen = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``engineProcess``) before its first step: the tokenizer travels as its JSON text and is
+        rebuilt once per engine process."""
+        t = self.tokenizer
+        return (_unpickle, (t.key, t.spec, t.n_vocab, t.eos, self.grammar))
 
     @classmethod
     def for_spec(cls, host: Host, spec: StructuredSpec) -> GrammarConstraint:
@@ -124,3 +162,7 @@ def bounded(schema: Any, limit: int) -> Any:
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _unpickle(key: str, spec: str, n_vocab: int, eos: list[int], grammar: str) -> GrammarConstraint:
+    return GrammarConstraint(_rebuilt(key, spec, n_vocab, eos), grammar)
