@@ -464,4 +464,5 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
                 log.exception("engine step failed; ending the requests it was serving")
                 outputs.extend(llm.fail_active("generation failed in an engine step; the server log has the details"))
         if outputs:
-            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, llm.stats()), copy=False)
+            # engine statistics plus the metrics of plugins that live here (a KV manager's hit rate)
+            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, host.stats()), copy=False)
