@@ -158,7 +158,7 @@ class AsyncEngine:
                     continue
                 if outputs:
                     self._dispatch(outputs)
-        except Exception as exc:  # pragma: no cover - a bug in the engine itself
+        except Exception:  # pragma: no cover - a bug in the engine itself
             log.exception("engine loop died")
             self.dead = "the engine loop stopped after an internal error; see the server log"
             self._fail_all(self.dead)
@@ -171,7 +171,7 @@ class AsyncEngine:
         """One engine step; if it raises, only the sequences it was serving fail and the loop goes on."""
         try:
             return self.engine.step()
-        except Exception as exc:
+        except Exception:
             log.exception("engine step failed; ending the requests it was serving")
             self.step_failures += 1
             return self.engine.fail_active(

@@ -112,7 +112,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             logits = self.backend.execute(batch)
-        except Exception as exc:  # one batch fails, the server goes on
+        except Exception:  # one batch fails, the server goes on
             log.exception("backend failed on a batch of %d sequences", len(plan.scheduled))
             for seq, _ in plan.scheduled:
                 seq.error = "backend error: the model failed on this request's batch; the server log has the details"
