@@ -154,7 +154,11 @@ def test_v1_config_has_the_spec_fields(tiny_server: RunningServer) -> None:
         "worldSize": cfg.model.worldSize,
         "maxOutputLen": cfg.schedule.maxIterTimes,
         "cacheBlockSize": cfg.schedule.cacheBlockSize,
+        # beyond the spec: what the MS controller needs for total_slots_num / total_block_num
+        "maxBatchSize": cfg.schedule.maxBatchSize,
+        "totalBlockNum": r.json()["totalBlockNum"],
     }
+    assert r.json()["totalBlockNum"] > 0
 
 
 def test_v1_config_full_redacts_the_api_key(tiny_model: Path) -> None:
