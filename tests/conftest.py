@@ -23,8 +23,11 @@ def tiny_server(tiny_model: Path) -> Iterator[RunningServer]:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_server() -> Iterator[RunningServer]:
-    """The default model (SmolLM2-135M-Instruct), shared by the slow tests."""
+    """The default model (SmolLM2-135M-Instruct), shared by a module's slow tests.
+
+    Module-scoped so that its memory is given back before the next module: the suite stays under 8 GB.
+    """
     with RunningServer(server_config(None)) as server:
         yield server
