@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from ..logs import setup_ms_logging
+from ..process import run_component, stop_on_signals
 from .config import ControllerConfig
 from .poller import Controller
 
@@ -58,12 +57,7 @@ async def serve_controller(config: ControllerConfig, stop: asyncio.Event | None 
     """Run the loop and the HTTP server until SIGINT/SIGTERM (or ``stop``)."""
     controller = Controller(config)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
+    stop_on_signals(stop)
     app = controller_app(controller)
     ssl_ctx = config.tls["http_server"].server_context()
     kw: dict[str, Any] = {"ssl_context_factory": lambda _c, _d: ssl_ctx} if ssl_ctx is not None else {}
@@ -92,7 +86,4 @@ async def serve_controller(config: ControllerConfig, stop: asyncio.Event | None 
 
 def run_controller(config: ControllerConfig) -> None:
     """``mindie-host controller``: set up logging and serve."""
-    setup_ms_logging(config.log, "controller")
-    for warning in config.warnings:
-        log.warning("ms_controller.json: %s", warning)
-    asyncio.run(serve_controller(config))
+    run_component("controller", config, serve_controller)

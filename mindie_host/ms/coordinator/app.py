@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 from typing import Any
 
 import httpx
@@ -38,7 +37,7 @@ from fastapi.responses import Response
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from ..logs import setup_ms_logging
+from ..process import run_component, stop_on_signals
 from .config import CoordinatorConfig
 from .instances import InstanceTable, RefreshError, parse_refresh
 from .limits import NOT_READY, Scheduler
@@ -253,12 +252,7 @@ async def serve_coordinator(config: CoordinatorConfig, stop: asyncio.Event | Non
                  config.tls["controller_server"].server_context(), config),
     ]
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
+    stop_on_signals(stop)
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     try:
         for srv in servers:
@@ -283,7 +277,4 @@ async def serve_coordinator(config: CoordinatorConfig, stop: asyncio.Event | Non
 
 def run_coordinator(config: CoordinatorConfig) -> None:
     """``mindie-host coordinator``: set up logging and serve."""
-    setup_ms_logging(config.log, "coordinator")
-    for warning in config.warnings:
-        log.warning("ms_coordinator.json: %s", warning)
-    asyncio.run(serve_coordinator(config))
+    run_component("coordinator", config, serve_coordinator)

@@ -96,7 +96,7 @@ def request_info(path: str, body: bytes, routing_chat: bool) -> RequestInfo:
         try:
             info.own_key, info.history_key = conversation_keys(json.loads(body))
         except (ValueError, UnicodeDecodeError):
-            pass  # the server answers the bad body
+            pass  # not JSON: no conversation key, so it is routed like any request and the server answers the 4xx
     return info
 
 
