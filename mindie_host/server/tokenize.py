@@ -143,26 +143,21 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
         return
     server = TokenizeServer(host)
 
-    @app.post("/v1/tokenizer")
-    async def token_count(request: Request) -> Response:
-        try:
-            body = await read_json(request, host)
-            return json_response(await offload(host, server.count, body))
-        except RequestError as err:
-            return error_response(err, mindie_error_body)
+    routes = (("/v1/tokenizer", server.count, mindie_error_body),  # MindIE's error body
+              ("/tokenize", server.tokenize, None),  # vLLM's routes answer in OpenAI's format
+              ("/detokenize", server.detokenize, None))
+    for path, handle, render in routes:
+        app.add_api_route(path, _endpoint(host, handle, render), methods=["POST"])
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        try:
-            body = await read_json(request, host)
-            return json_response(await offload(host, server.tokenize, body))
-        except RequestError as err:
-            return openai_error(err)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
+def _endpoint(host: Host, handle: Any, render: Any) -> Any:
+    """A POST route: read the JSON body, run ``handle`` off the event loop, render its errors."""
+
+    async def endpoint(request: Request) -> Response:
         try:
             body = await read_json(request, host)
-            return json_response(await offload(host, server.detokenize, body))
+            return json_response(await offload(host, handle, body))
         except RequestError as err:
-            return openai_error(err)
+            return error_response(err, render) if render is not None else openai_error(err)
+
+    return endpoint
