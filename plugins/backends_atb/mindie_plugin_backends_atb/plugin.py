@@ -43,6 +43,12 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
     if model_config.worldSize != 1:
         errors.append(f"ModelConfig.worldSize is {model_config.worldSize}; backendType 'atb' runs on one NPU in "
                       "this version (tensor parallelism over HCCL is not implemented yet); allowed: 1")
+    if model_config.quantization not in ("auto", "none"):
+        errors.append(f"ModelConfig.quantization is {model_config.quantization!r}; backendType 'atb' has no int8 "
+                      "kernels in this version; allowed: \"auto\" or \"none\"")
+    if model_config.kvCacheDtype != "auto":
+        errors.append(f"ModelConfig.kvCacheDtype is {model_config.kvCacheDtype!r}; backendType 'atb' keeps its KV "
+                      "cache in the weights' dtype; allowed: \"auto\"")
     section = _options(config)
     if not isinstance(section, dict):
         return [*errors, f"Plugins.atb must be a JSON object, got {section!r}"]

@@ -45,6 +45,12 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
     if model_config.worldSize != 1:
         errors.append(f"ModelConfig.worldSize is {model_config.worldSize} but backendType 'ms' runs on one "
                       "device; allowed: 1")
+    if model_config.quantization not in ("auto", "none"):
+        errors.append(f"ModelConfig.quantization is {model_config.quantization!r} but backendType 'ms' computes "
+                      "dequantized float32 weights; allowed: \"auto\" or \"none\"")
+    if model_config.kvCacheDtype not in ("auto", "float32"):
+        errors.append(f"ModelConfig.kvCacheDtype is {model_config.kvCacheDtype!r} but backendType 'ms' keeps a "
+                      "float32 KV cache; allowed: \"auto\" or \"float32\"")
     for name, reason in INCOMPATIBLE_PLUGINS.items():
         if name in model_config.plugins:
             errors.append(f"ModelConfig.plugin_params enables {name!r} with backendType 'ms': {reason}")

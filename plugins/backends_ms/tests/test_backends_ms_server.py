@@ -173,6 +173,8 @@ def test_backends_ms_with_prefix_cache_and_splitfuse(
         ({"device": "cuda"}, "", "ModelConfig.device"),
         ({"dtype": "float16"}, "", "ModelConfig.dtype"),
         ({"worldSize": 2}, "", "ModelConfig.worldSize"),
+        ({"quantization": "w8a8"}, "", "ModelConfig.quantization"),
+        ({"kvCacheDtype": "int8"}, "", "ModelConfig.kvCacheDtype"),
         ({}, "multi_lora", "multi_lora"),
     ],
 )
