@@ -10,7 +10,16 @@ from .backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
 from .backends.torch.backend import TorchBackend, resolve_dtype
 from .backends.torch.model import TorchLlama
+from .config import Config, ModelConfig
 from .content import MediaHandler, register_media_handler, unregister_media_handler
+from .context import (
+    BackendContext,
+    KVContext,
+    LifecycleContext,
+    PluginContext,
+    RequestContext,
+    SchedulingContext,
+)
 from .engine.kv_cache import KVCacheManager
 from .engine.policy import (
     SchedulerLimits,
@@ -23,12 +32,22 @@ from .engine.policy import (
 )
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .engine.sequence import SequenceView
+from .host import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.rope import Rope, rope_of
 from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, resolve_model
 from .tool_parsers import HermesToolParser, JsonToolParser, ToolParser, make_call
 
 __all__ = [
+    "BackendContext",
+    "Config",
+    "Host",
+    "KVContext",
+    "LifecycleContext",
+    "ModelConfig",
+    "PluginContext",
+    "RequestContext",
+    "SchedulingContext",
     "DEFAULT_MODEL_NAME",
     "AttentionMetadata",
     "CudaPlatform",

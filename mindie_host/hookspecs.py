@@ -21,9 +21,19 @@ The hooks fall into five concerns:
 * KV-cache management: the block manager (allocate, share, free, evict);
 * model backend: the runner for a ``backendType``.
 
-If a plugin needs something the host does not pass, the spec grows an argument
-(pluggy lets implementations take any subset of a spec's arguments, so adding
-one never breaks existing plugins).
+Every hook takes a ``ctx`` argument first: a frozen, typed context built for
+the implementing plugin and the hook's concern (:mod:`mindie_host.context`:
+:class:`LifecycleContext`, :class:`RequestContext`, :class:`SchedulingContext`,
+:class:`KVContext`, :class:`BackendContext`). It carries the config, the model
+entry, the plugin's validated ``Params``, its logger
+(``mindie_host.plugins.<name>``) and its per-engine ``State``. The other
+arguments are what the hook is about. ``config``, ``model_config`` and ``host``
+are still passed where contract v1 passed them (they are the same objects as
+``ctx.config``, ``ctx.model`` and ``ctx.host``), so v1 plugins keep working;
+new plugins read them from ``ctx``.
+
+Implementations take any subset of a spec's arguments, so a spec that grows an
+argument never breaks an existing plugin.
 """
 
 from __future__ import annotations
@@ -37,9 +47,16 @@ if TYPE_CHECKING:
 
     from .backends.base import ModelBackend
     from .config import Config, ModelConfig
+    from .context import (
+        BackendContext,
+        KVContext,
+        LifecycleContext,
+        RequestContext,
+        SchedulingContext,
+    )
     from .engine.kv_cache import KVCacheManager
     from .engine.policy import SchedulerState, StepPlan
-    from .engine.request import EngineRequest
+    from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
     from .host import Host
 
@@ -50,7 +67,7 @@ hookspec = pluggy.HookspecMarker("mindie_host")
 # lifecycle
 # ---------------------------------------------------------------------------------------------
 @hookspec
-def mindie_host_validate_config(config: Config, model_config: ModelConfig) -> list[str] | None:
+def mindie_host_validate_config(ctx: LifecycleContext, config: Config, model_config: ModelConfig) -> list[str] | None:
     """Check this plugin's own settings before anything is loaded.
 
     :param config: the whole parsed config (``config.Plugins.get(name)`` holds a
@@ -64,7 +81,7 @@ def mindie_host_validate_config(config: Config, model_config: ModelConfig) -> li
 
 
 @hookspec
-def mindie_host_startup(host: Host) -> None:
+def mindie_host_startup(ctx: LifecycleContext, host: Host) -> None:
     """Called once the model is loaded and the engine is built, before serving.
 
     :param host: the running :class:`~mindie_host.host.Host` (config, tokenizer,
@@ -74,7 +91,7 @@ def mindie_host_startup(host: Host) -> None:
 
 
 @hookspec
-def mindie_host_shutdown(host: Host) -> None:
+def mindie_host_shutdown(ctx: LifecycleContext, host: Host) -> None:
     """Called once when the server stops, after in-flight requests have drained.
 
     :param host: the same object passed to :func:`mindie_host_startup`.
@@ -83,7 +100,7 @@ def mindie_host_shutdown(host: Host) -> None:
 
 
 @hookspec
-def mindie_host_metrics(host: Host) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] | None:
     """Contribute gauges to the JSON metrics and the Prometheus exporter.
 
     :param host: the running host.
@@ -93,11 +110,24 @@ def mindie_host_metrics(host: Host) -> dict[str, float] | None:
     """
 
 
+@hookspec
+def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+    """Observe the outputs of one engine step, in the front end, before they reach their clients.
+
+    :param outputs: one :class:`~mindie_host.engine.request.RequestOutput` per
+        request the step touched (new tokens, finished requests). Do not mutate them.
+    Called once per step on the thread that delivers outputs (the engine thread,
+    or the front end's IPC reader when ``engineProcess`` is on): keep it cheap.
+    An exception is logged and does not reach the requests. Serving metrics and
+    the native protocol's client-id bookkeeping use it. Not firstresult.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # request parsing
 # ---------------------------------------------------------------------------------------------
 @hookspec
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, host: Host, plane: str) -> None:
     """Register HTTP routes for a protocol.
 
     :param app: the FastAPI application of one plane.
@@ -110,7 +140,7 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
 
 
 @hookspec
-def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Host) -> None:
+def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any], protocol: str, host: Host) -> None:
     """Adjust an engine request after a protocol module has parsed it.
 
     :param request: the :class:`~mindie_host.engine.request.EngineRequest`,
@@ -133,7 +163,7 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
 
 
 @hookspec
-def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
+def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest, reason: str) -> None:
     """Called when a request leaves the engine, whatever the cause.
 
     :param request: the request as the engine ran it (``adapter``,
@@ -146,7 +176,7 @@ def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
 
 
 @hookspec(firstresult=True)
-def mindie_host_tool_call_parser(model_type: str, host: Host) -> Any | None:
+def mindie_host_tool_call_parser(ctx: RequestContext, model_type: str, host: Host) -> Any | None:
     """Provide the tool-call parser for a model family.
 
     :param model_type: the model's family (``"llama"``, ``"qwen2"``, ...).
@@ -165,7 +195,7 @@ def mindie_host_tool_call_parser(model_type: str, host: Host) -> Any | None:
 # scheduling policy
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_order_waiting(waiting: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
+def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
     """Order the waiting queue: the first sequence is admitted first.
 
     :param waiting: sequences not yet admitted (new, or preempted and waiting to
@@ -181,7 +211,7 @@ def mindie_host_order_waiting(waiting: list[SequenceView], config: Config, now: 
 
 
 @hookspec
-def mindie_host_filter_waiting(waiting: list[SequenceView]) -> list[SequenceView] | None:
+def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
     """Hold back waiting sequences that cannot run yet.
 
     :param waiting: the ordered waiting queue of this step (do not mutate the
@@ -197,7 +227,7 @@ def mindie_host_filter_waiting(waiting: list[SequenceView]) -> list[SequenceView
 
 
 @hookspec(firstresult=True)
-def mindie_host_plan_step(state: SchedulerState) -> StepPlan | None:
+def mindie_host_plan_step(ctx: SchedulingContext, state: SchedulerState) -> StepPlan | None:
     """Build one step's batch.
 
     :param state: a :class:`~mindie_host.engine.policy.SchedulerState` with the
@@ -215,7 +245,7 @@ def mindie_host_plan_step(state: SchedulerState) -> StepPlan | None:
 # KV-cache management
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_kv_cache_manager(num_blocks: int, block_size: int, config: Config) -> KVCacheManager | None:
+def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int, config: Config) -> KVCacheManager | None:
     """Create the KV-cache block manager.
 
     :param num_blocks: blocks that fit the memory budget.
@@ -231,7 +261,7 @@ def mindie_host_kv_cache_manager(num_blocks: int, block_size: int, config: Confi
 # model backend
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_model_backend(backend_type: str, model_config: ModelConfig, config: Config) -> ModelBackend | None:
+def mindie_host_model_backend(ctx: BackendContext, backend_type: str, model_config: ModelConfig, config: Config) -> ModelBackend | None:
     """Create the model runner for a ``backendType``.
 
     :param backend_type: ``ModelConfig.backendType`` (``"torch"``, ``"ms"``, ``"atb"`` ...).
@@ -245,6 +275,6 @@ def mindie_host_model_backend(backend_type: str, model_config: ModelConfig, conf
 
 
 @hookspec
-def mindie_host_backend_types() -> list[str] | None:
+def mindie_host_backend_types(ctx: BackendContext) -> list[str] | None:
     """Names of the ``backendType`` values this plugin can serve (for
     ``mindie-host plugins`` and config validation). Not firstresult."""

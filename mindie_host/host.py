@@ -39,6 +39,7 @@ class Host:
     def __init__(self, config: Config, plugins: PluginHost | None = None) -> None:
         self.config = config
         self.plugins = plugins or PluginHost()
+        self.plugins.bind(config, config.model, self)
         self.model_config = config.model
         self.model_name = self.model_config.modelName
         self.created = int(time.time())
@@ -124,7 +125,7 @@ class Host:
             hook=self.plugins.hook,
             config=self.config,
         )
-        self.engine = AsyncEngine(self.llm)
+        self.engine = AsyncEngine(self.llm, self.plugins)
         log.info("%s", plan.describe(self.info.device))
 
     def start(self, engine_thread: bool = True) -> None:

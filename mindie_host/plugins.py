@@ -11,19 +11,30 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from . import hookspecs
+from .context import (
+    PluginContext,
+    concern_of,
+    declared_params,
+    declared_state,
+    plugin_logger,
+    validate_params,
+)
 from .logs import adopt_logger
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, ModelConfig
+    from .host import Host
 
 ENTRY_POINT_GROUP = "mindie_host.plugins"
+log = logging.getLogger("mindie_host.plugins")
 
 #: Modules of the host that implement hooks, registered on every start.
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -99,21 +110,165 @@ def install_hint(name: str) -> str:
     return f"install a package that declares entry point {name!r} in group {ENTRY_POINT_GROUP!r}"
 
 
+class ContextPluginManager(pluggy.PluginManager):
+    """pluggy's manager, handing each implementation that names ``ctx`` the context of its own plugin.
+
+    Calls keep pluggy's semantics (order, ``tryfirst``/``trylast``, wrappers,
+    firstresult). On registration every implementation that takes ``ctx`` is
+    wrapped once: the wrapper looks the context up (:meth:`PluginHost.context`)
+    and passes it with the other arguments the implementation names.
+    """
+
+    def __init__(self, owner: PluginHost) -> None:
+        super().__init__("mindie_host")
+        self._owner = owner
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        plugin_name = super().register(plugin, name)
+        if plugin_name is not None:
+            for caller in self.get_hookcallers(plugin) or []:
+                concern = concern_of(caller.name)
+                for impl in caller.get_hookimpls():
+                    if impl.plugin is plugin and "ctx" in impl.argnames:
+                        self._bind_context(impl, plugin_name, concern)
+        return plugin_name
+
+    def _bind_context(self, impl: Any, plugin_name: str, concern: type[PluginContext]) -> None:
+        function, names = impl.function, tuple(a for a in impl.argnames if a != "ctx")
+        context = self._owner.context
+
+        def with_context(*args: Any) -> Any:
+            return function(ctx=context(plugin_name, concern), **dict(zip(names, args, strict=True)))
+
+        with_context.__wrapped__ = function  # type: ignore[attr-defined]
+        impl.function, impl.argnames = with_context, names
+
+
+class _ContextCall:
+    """One hook of :class:`ContextHookRelay`: pluggy's caller, with the ``ctx`` slot filled per implementation."""
+
+    __slots__ = ("_caller",)
+
+    def __init__(self, caller: pluggy.HookCaller) -> None:
+        self._caller = caller
+
+    def __call__(self, **kwargs: Any) -> Any:
+        # every implementation that takes ctx was wrapped to fetch its own (ContextPluginManager._bind_context);
+        # ctx=None only tells pluggy the spec's argument is accounted for
+        return self._caller(ctx=None, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._caller, name)
+
+
+class ContextHookRelay:
+    """``plugins.hook.mindie_host_xxx(**kwargs)``: call a hook without passing ``ctx``."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self._pm = pm
+        self._calls: dict[str, _ContextCall] = {}
+
+    def __getattr__(self, name: str) -> _ContextCall:
+        call = self._calls.get(name)
+        if call is None:
+            call = self._calls[name] = _ContextCall(getattr(self._pm.hook, name))
+        return call
+
+
 class PluginHost:
-    """The pluggy manager plus the bookkeeping of what is enabled."""
+    """The pluggy manager, the bookkeeping of what is enabled, and each plugin's context.
+
+    One ``PluginHost`` serves one engine: :meth:`bind` ties it to the config,
+    the model entry and the :class:`~mindie_host.host.Host`, which every
+    context carries; each plugin's ``Params`` and ``State`` are made once here.
+    """
 
     def __init__(self) -> None:
-        self.pm = pluggy.PluginManager("mindie_host")
+        self.pm = ContextPluginManager(self)
         self.pm.add_hookspecs(hookspecs)
         self.enabled: list[str] = []
         # `mindie-host serve` loads the model on the main thread while the HTTP thread starts; both enable plugins
         self._enable_lock = threading.Lock()
+        self._config: Config | None = None
+        self._model: ModelConfig | None = None
+        self._host: Host | None = None
+        self._params: dict[str, Any] = {}
+        self._states: dict[str, Any] = {}
+        self._contexts: dict[tuple[str, type[PluginContext]], PluginContext] = {}
+        self._context_lock = threading.Lock()
+        self._relay = ContextHookRelay(self.pm)
         for module_name in BUILTIN_PLUGINS:
             self.pm.register(importlib.import_module(module_name), name=f"builtin:{module_name}")
 
     @property
-    def hook(self) -> pluggy.HookRelay:
-        return self.pm.hook
+    def hook(self) -> ContextHookRelay:
+        """Call a hook: ``plugins.hook.mindie_host_startup(host=host)``; each implementation gets its ``ctx``."""
+        return self._relay
+
+    def call_observers(self, name: str, **kwargs: Any) -> None:
+        """Call every implementation of hook ``name``; one that raises is logged and skipped.
+
+        For observers (``mindie_host_step_outputs``) whose failure must not reach requests.
+        """
+        for impl in reversed(getattr(self.pm.hook, name).get_hookimpls()):
+            try:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception:
+                log.exception("plugin %s failed in %s", impl.plugin_name, name)
+
+    # -- contexts ------------------------------------------------------------------------------
+    def bind(self, config: Config, model: ModelConfig | None = None, host: Host | None = None) -> None:
+        """Set what every context carries: the config, the served model entry and the running host."""
+        with self._context_lock:
+            self._config, self._model, self._host = config, model or config.model, host
+            self._contexts.clear()
+
+    def context(self, name: str, concern: type[PluginContext]) -> PluginContext:
+        """The context of plugin ``name`` for hooks of ``concern`` (built once, then cached)."""
+        key = (name, concern)
+        ctx = self._contexts.get(key)
+        if ctx is not None:
+            return ctx
+        if self._config is None:
+            raise PluginError(f"plugin {name!r} was called before the plugin host was bound to a config")
+        plugin = self.pm.get_plugin(name)
+        with self._context_lock:
+            fields: dict[str, Any] = {
+                "plugin": name,
+                "config": self._config,
+                "model": self._model,
+                "params": self.params(name, plugin),
+                "log": plugin_logger(name),
+                "state": self.state(name, plugin),
+            }
+            if "host" in concern.__dataclass_fields__:
+                fields["host"] = self._host
+            ctx = self._contexts[key] = concern(**fields)
+        return ctx
+
+    def params(self, name: str, plugin: object) -> Any:
+        """Plugin ``name``'s validated ``Params`` (validated on first use; bad ones raise :class:`PluginError`)."""
+        if name not in self._params:
+            assert self._config is not None
+            value, errors = validate_params(name, declared_params(plugin), self._section(name, plugin))
+            if errors:
+                raise PluginError("plugin configuration rejected:\n  " + "\n  ".join(errors))
+            self._params[name] = value
+        return self._params[name]
+
+    def state(self, name: str, plugin: object) -> Any:
+        """Plugin ``name``'s per-engine ``State`` instance (made on first use), or ``None``."""
+        if name not in self._states:
+            factory = declared_state(plugin)
+            self._states[name] = factory() if factory is not None else None
+        return self._states[name]
+
+    def _section(self, name: str, plugin: object) -> Any:
+        """``Plugins.<name>``, or ``None`` when the plugin still reads its section in its own validate hook."""
+        assert self._config is not None
+        section = self._config.Plugins.get(name)
+        legacy = declared_params(plugin) is None and hasattr(plugin, "mindie_host_validate_config")
+        return None if legacy else section
 
     def register(self, plugin: object, name: str) -> None:
         """Register an already-imported plugin object (tests and embedding use this)."""
@@ -146,11 +301,31 @@ class PluginHost:
         self.pm.check_pending()
 
     def validate(self, config: Config) -> list[str]:
-        """Run every plugin's config validation hook; returns all error messages."""
-        errors: list[str] = []
-        for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
-            for result in self.hook.mindie_host_validate_config(config=config, model_config=model):
+        """Validate each enabled plugin's ``Params`` and run every config validation hook.
+
+        :return: every error message (each names the plugin's key), empty when the config is fine.
+        """
+        if self._config is not config:
+            self.bind(config, self._model, self._host)
+        errors = [f"Plugins.{name}: no enabled plugin is named {name!r} (enabled: {', '.join(self.enabled) or 'none'}); "
+                  "enable it in ModelConfig.plugin_params or remove the section"
+                  for name in config.Plugins if name not in self.enabled]
+        for name in self.enabled:
+            plugin = self.pm.get_plugin(name)
+            if plugin is None or name in self._params:
+                continue
+            value, problems = validate_params(name, declared_params(plugin), self._section(name, plugin))
+            errors.extend(problems)
+            if not problems:
+                self._params[name] = value
+        if errors:
+            return errors
+        model = self._model
+        for entry in config.BackendConfig.ModelDeployConfig.ModelConfig:
+            self.bind(config, entry, self._host)
+            for result in self.hook.mindie_host_validate_config(config=config, model_config=entry):
                 errors.extend(result or [])
+        self.bind(config, model, self._host)
         return errors
 
     def backend_types(self) -> list[str]:

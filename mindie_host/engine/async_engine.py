@@ -12,9 +12,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .core import LLMEngine
+
+if TYPE_CHECKING:
+    from ..plugins import PluginHost
 from .request import EngineRequest, RequestError, RequestOutput
 
 log = logging.getLogger("mindie_host.engine")
@@ -23,8 +26,10 @@ log = logging.getLogger("mindie_host.engine")
 class AsyncEngine:
     """Runs an :class:`LLMEngine` on a worker thread and streams outputs to coroutines."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, plugins: PluginHost | None = None) -> None:
         self.engine = engine
+        #: the plugins (``mindie_host_step_outputs`` sees every step's outputs); None runs no hook
+        self.plugins = plugins
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple[str, Any]] = []
@@ -33,7 +38,6 @@ class AsyncEngine:
         self._stopping = False
         self._stopped = threading.Event()
         self._loop_started = False  # set once _run begins, on whichever thread runs it
-        self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
         self.dead: str | None = None
         self.step_failures = 0
 
@@ -179,11 +183,8 @@ class AsyncEngine:
             )
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for hook in self.step_hooks:
-            try:
-                hook(outputs)
-            except Exception:
-                log.exception("step hook failed")
+        if self.plugins is not None:
+            self.plugins.call_observers("mindie_host_step_outputs", outputs=outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
         for out in outputs:
             target = self._queues.get(out.request_id)

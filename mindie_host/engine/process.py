@@ -5,7 +5,7 @@ Two processes:
 * the **front end** (the HTTP server) parses, tokenizes and renders; its ``host.engine``
   is an :class:`EngineProcessClient`, which has the same asyncio interface as
   :class:`~mindie_host.engine.async_engine.AsyncEngine` (``generate``, ``abort``,
-  ``abort_all``, ``num_active``, ``dead``, ``step_hooks``);
+  ``abort_all``, ``num_active``, ``dead``; each step's outputs go to ``mindie_host_step_outputs``);
 * the **engine core** (:func:`engine_core_main`, started with multiprocessing's ``spawn``)
   builds a full :class:`~mindie_host.host.Host` from the same config and plugins (backend,
   KV manager, scheduler) and steps its :class:`~mindie_host.engine.core.LLMEngine` on its
@@ -150,7 +150,7 @@ class EngineProcessClient(AsyncEngine):
     """The front end's handle on the engine-core process: same asyncio interface as :class:`AsyncEngine`."""
 
     def __init__(self, host: Host) -> None:
-        super().__init__(None)  # type: ignore[arg-type]
+        super().__init__(None, plugins=host.plugins)  # type: ignore[arg-type]
         self.host = host
         self.config = host.config
         self.specs = plugin_specs(host)

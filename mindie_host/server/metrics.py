@@ -38,6 +38,7 @@ from ..engine.request import RequestOutput
 from .app import json_response
 
 if TYPE_CHECKING:
+    from ..context import LifecycleContext
     from ..host import Host
 
 ENV_MONITOR = "MIES_SERVICE_MONITOR_MODE"
@@ -363,11 +364,10 @@ def metrics_json(host: Host, instance: str) -> dict[str, Any]:
 
 # -- hooks -------------------------------------------------------------------------------------
 @hookimpl
-def mindie_host_startup(host: Host) -> None:
+def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
     """Feed the histograms from every engine step."""
-    metrics = serving_metrics(host)
-    if host.engine is not None and metrics.observe not in host.engine.step_hooks:
-        host.engine.step_hooks.append(metrics.observe)
+    if ctx.host is not None:
+        serving_metrics(ctx.host).observe(outputs)
 
 
 @hookimpl

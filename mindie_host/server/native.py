@@ -48,6 +48,7 @@ from .textgen import (
 from .validation import Fields
 
 if TYPE_CHECKING:
+    from ..context import LifecycleContext
     from ..host import Host
 
 PROTOCOL = "native"
@@ -253,9 +254,10 @@ class NativeServer:
 
 
 @hookimpl
-def mindie_host_startup(host: Host) -> None:
-    if host.engine is not None:
-        host.engine.step_hooks.append(client_ids(host).on_step)
+def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+    """Forget the client ids of requests that finished in this step."""
+    if ctx.host is not None:
+        client_ids(ctx.host).on_step(outputs)
 
 
 @hookimpl

@@ -1,0 +1,214 @@
+"""The typed context every hook implementation can take as its ``ctx`` argument.
+
+A hook implementation that names a ``ctx`` parameter receives a frozen
+dataclass built for *its own* plugin and the hook's concern::
+
+    @hookimpl
+    def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int):
+        ctx.log.info("pool of %d blocks", num_blocks)
+        ctx.state.manager = MyManager(num_blocks, block_size, ctx.params.numBlocks)
+        return ctx.state.manager
+
+What a context carries (:class:`PluginContext`): the whole config, the model
+entry being served, the plugin's own validated parameters, a logger named
+``mindie_host.plugins.<name>`` and the plugin's per-engine state object. The
+concern subclasses add what that concern needs (the running host for the
+lifecycle and request-parsing hooks).
+
+A plugin declares its parameters and its state as attributes of the plugin
+module (or object):
+
+* ``Params``: a pydantic model or a dataclass. The host validates the plugin's
+  ``config.json`` section, ``Plugins.<name>``, into it before anything loads;
+  an unknown key or a wrong type stops startup with an error that names
+  ``Plugins.<name>.<key>``. Without ``Params`` a non-empty section is refused
+  (never silently ignored) and ``ctx.params`` is ``None``.
+* ``State``: any class with a zero-argument constructor. One instance is made
+  per plugin and engine, on first use, and every hook of that plugin sees the
+  same one as ``ctx.state`` (``None`` without ``State``). It replaces module
+  globals keyed by object id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config, ModelConfig
+    from .host import Host
+
+#: Logger names of plugins hang under this one.
+PLUGIN_LOGGER_PREFIX = "mindie_host.plugins"
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """What every hook implementation receives as ``ctx`` (the base of the concern types).
+
+    :ivar plugin: the plugin's registered name (its entry-point name, e.g.
+        ``"prefix_cache"``; builtins are ``"builtin:<module>"``).
+    :ivar config: the whole parsed ``config.json`` (:class:`~mindie_host.config.Config`).
+    :ivar model: the ``ModelConfig`` entry this engine serves.
+    :ivar params: the plugin's validated parameters: an instance of its declared
+        ``Params`` built from ``Plugins.<name>``, or ``None`` if it declares none.
+    :ivar log: the plugin's logger, ``mindie_host.plugins.<name>``.
+    :ivar state: the plugin's per-engine state: one instance of its declared
+        ``State`` class shared by all its hooks, or ``None`` if it declares none.
+    """
+
+    plugin: str
+    config: Config
+    model: ModelConfig
+    params: Any
+    log: logging.Logger
+    state: Any
+
+
+@dataclass(frozen=True)
+class LifecycleContext(PluginContext):
+    """Context of the lifecycle hooks: config validation, startup, shutdown, metrics, step outputs.
+
+    :ivar host: the running :class:`~mindie_host.host.Host`; ``None`` during
+        ``mindie_host_validate_config``, which runs before anything is loaded.
+    """
+
+    host: Host | None = None
+
+
+@dataclass(frozen=True)
+class RequestContext(PluginContext):
+    """Context of the request-parsing hooks: routes, request refinement, request end, tool-call parsers.
+
+    :ivar host: the running :class:`~mindie_host.host.Host` (tokenizer, limits, ``generate``).
+    """
+
+    host: Host | None = None
+
+
+@dataclass(frozen=True)
+class SchedulingContext(PluginContext):
+    """Context of the scheduling-policy hooks: queue order, admission filter, step plan, preemption.
+
+    These run on the engine thread (in the engine process when ``engineProcess``
+    is on), once per step: keep them cheap. ``config.schedule`` holds the
+    ``ScheduleConfig`` limits.
+    """
+
+
+@dataclass(frozen=True)
+class KVContext(PluginContext):
+    """Context of the KV-cache hooks: building the block manager.
+
+    ``config.schedule.cacheBlockSize`` and the pool size come as hook arguments.
+    """
+
+
+@dataclass(frozen=True)
+class BackendContext(PluginContext):
+    """Context of the model-backend hooks: building the runner for a ``backendType``, per-row variants."""
+
+
+#: Which context type each hook receives.
+HOOK_CONCERNS: dict[str, type[PluginContext]] = {
+    "mindie_host_validate_config": LifecycleContext,
+    "mindie_host_startup": LifecycleContext,
+    "mindie_host_shutdown": LifecycleContext,
+    "mindie_host_metrics": LifecycleContext,
+    "mindie_host_step_outputs": LifecycleContext,
+    "mindie_host_add_routes": RequestContext,
+    "mindie_host_refine_request": RequestContext,
+    "mindie_host_request_finished": RequestContext,
+    "mindie_host_tool_call_parser": RequestContext,
+    "mindie_host_order_waiting": SchedulingContext,
+    "mindie_host_filter_waiting": SchedulingContext,
+    "mindie_host_plan_step": SchedulingContext,
+    "mindie_host_kv_cache_manager": KVContext,
+    "mindie_host_model_backend": BackendContext,
+    "mindie_host_backend_types": BackendContext,
+}
+
+
+def concern_of(hook_name: str) -> type[PluginContext]:
+    """The context type of ``hook_name`` (hooks added later without an entry get :class:`LifecycleContext`)."""
+    return HOOK_CONCERNS.get(hook_name, LifecycleContext)
+
+
+def plugin_logger(name: str) -> logging.Logger:
+    """``mindie_host.plugins.<name>`` (a builtin's ``builtin:pkg.mod`` becomes ``builtin.pkg.mod``)."""
+    return logging.getLogger(f"{PLUGIN_LOGGER_PREFIX}.{name.replace(':', '.')}")
+
+
+def declared_params(plugin: object) -> type | None:
+    """The plugin's ``Params`` declaration (a pydantic model or a dataclass), or ``None``."""
+    return getattr(plugin, "Params", None)
+
+
+def declared_state(plugin: object) -> type | None:
+    """The plugin's ``State`` declaration (a zero-argument class), or ``None``."""
+    return getattr(plugin, "State", None)
+
+
+def param_fields(schema: type) -> dict[str, tuple[str, Any]]:
+    """Each parameter of a ``Params`` schema: name -> (type text, default or ``...`` when required)."""
+    fields: dict[str, tuple[str, Any]] = {}
+    model_fields = getattr(schema, "model_fields", None)
+    if model_fields is not None:  # a pydantic model
+        for name, f in model_fields.items():
+            key = f.alias or name
+            fields[key] = (_type_text(f.annotation), ... if f.is_required() else f.get_default(call_default_factory=True))
+        return fields
+    if dataclasses.is_dataclass(schema):
+        for f in dataclasses.fields(schema):
+            if f.default is not dataclasses.MISSING:
+                default: Any = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = ...
+            fields[f.name] = (_type_text(f.type), default)
+        return fields
+    raise TypeError(f"Params must be a pydantic model or a dataclass, not {schema!r}")
+
+
+def _type_text(annotation: Any) -> str:
+    if isinstance(annotation, str):
+        return annotation
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def validate_params(name: str, schema: type | None, section: Any) -> tuple[Any, list[str]]:
+    """Validate ``Plugins.<name>`` against the plugin's ``Params``.
+
+    :return: (the parameters object or ``None``, error messages that each name
+        ``Plugins.<name>.<key>``, the value given and what is allowed).
+    """
+    where = f"Plugins.{name}"
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        return None, [f"{where}: got {section!r}; allowed a JSON object"]
+    if schema is None:
+        if section:
+            return None, [f"{where}: plugin {name!r} declares no parameters, so keys {sorted(section)} would be "
+                          "ignored; remove them"]
+        return None, []
+    import pydantic  # deferred: only plugins that declare parameters pay for it
+
+    known = param_fields(schema)
+    unknown = sorted(set(section) - set(known))
+    if unknown:
+        return None, [f"{where}.{key}: not a parameter of plugin {name!r} (allowed: {', '.join(known) or 'none'})"
+                      for key in unknown]
+    try:
+        return pydantic.TypeAdapter(schema).validate_python(section), []
+    except pydantic.ValidationError as exc:
+        errors = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            given = section.get(err["loc"][0], "(missing)") if err["loc"] else section
+            allowed = known.get(str(err["loc"][0]), ("a valid value", None))[0] if err["loc"] else "a JSON object"
+            errors.append(f"{where}.{key}: got {given!r}; allowed {allowed} ({err['msg']})")
+        return None, errors
