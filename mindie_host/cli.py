@@ -21,7 +21,14 @@ from .config import (
     validate_config_file,
 )
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
-from .plugins import PluginError, PluginHost, enabled_plugin_names, installed_plugins
+from .plugins import (
+    PluginError,
+    PluginHost,
+    describe_builtins,
+    describe_installed,
+    enabled_plugin_names,
+    installed_plugins,
+)
 from .quant.cli import add_quantize_parser, cmd_quantize
 
 
@@ -141,23 +148,36 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    """List the builtin and installed plugins: package, version, enabled, hooks and ``Plugins.<name>`` parameters."""
     enabled: list[str] = []
     if args.config:
         enabled = enabled_plugin_names(load_config(args.config))
-    rows = [("builtin", "mindie-host", __version__, "yes")]
+    rows = [("builtin", "mindie-host", __version__, True, describe_builtins())]
     for p in installed_plugins():
-        rows.append((p.name, p.distribution, p.version, "yes" if p.name in enabled else "no"))
+        rows.append((p.name, p.distribution, p.version, p.name in enabled, describe_installed(p.name)))
     missing = [n for n in enabled if n not in {p.name for p in installed_plugins()}]
     if args.json:
-        print(json.dumps([{"name": r[0], "package": r[1], "version": r[2], "enabled": r[3] == "yes"} for r in rows]))
-    else:
-        width = max(len(r[0]) for r in rows) + 2
-        pw = max(len(r[1]) for r in rows) + 2
-        print(f"{'NAME':<{width}}{'PACKAGE':<{pw}}{'VERSION':<10}ENABLED")
-        for name, package, version, on in rows:
-            print(f"{name:<{width}}{package:<{pw}}{version:<10}{on}")
-        for name in missing:
-            print(f"{name:<{width}}{'(not installed)':<{pw}}{'-':<10}yes  <- install it")
+        print(json.dumps([
+            {"name": name, "package": package, "version": version, "enabled": on, "hooks": d.hooks,
+             "params": {k: {"type": t, "default": None if default is ... else default, "required": default is ...}
+                        for k, (t, default) in d.params.items()},
+             **({"error": d.error} if d.error else {})}
+            for name, package, version, on, d in rows
+        ], default=str))
+        return 1 if missing else 0
+    width = max(len(r[0]) for r in rows) + 2
+    pw = max(len(r[1]) for r in rows) + 2
+    print(f"{'NAME':<{width}}{'PACKAGE':<{pw}}{'VERSION':<10}ENABLED")
+    for name, package, version, on, d in rows:
+        print(f"{name:<{width}}{package:<{pw}}{version:<10}{'yes' if on else 'no'}")
+        if d.error:
+            print(f"    (cannot import: {d.error})")
+        if d.hooks:
+            print("    hooks:  " + ", ".join(h.removeprefix("mindie_host_") for h in d.hooks))
+        for key, (kind, default) in d.params.items():
+            print(f"    param:  Plugins.{name}.{key} ({kind}, {'required' if default is ... else f'default {default!r}'})")
+    for name in missing:
+        print(f"{name:<{width}}{'(not installed)':<{pw}}{'-':<10}yes  <- install it")
     return 1 if missing else 0
 
 

@@ -198,17 +198,16 @@ def validate_params(name: str, schema: type | None, section: Any) -> tuple[Any, 
     import pydantic  # deferred: only plugins that declare parameters pay for it
 
     known = param_fields(schema)
-    unknown = sorted(set(section) - set(known))
-    if unknown:
-        return None, [f"{where}.{key}: not a parameter of plugin {name!r} (allowed: {', '.join(known) or 'none'})"
-                      for key in unknown]
+    errors = [f"{where}.{key}: not a parameter of plugin {name!r} (allowed: {', '.join(known) or 'none'})"
+              for key in sorted(set(section) - set(known))]
     try:
-        return pydantic.TypeAdapter(schema).validate_python(section), []
+        params = pydantic.TypeAdapter(schema).validate_python({k: v for k, v in section.items() if k in known})
+        return (None, errors) if errors else (params, [])
     except pydantic.ValidationError as exc:
-        errors = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"])
             given = section.get(err["loc"][0], "(missing)") if err["loc"] else section
             allowed = known.get(str(err["loc"][0]), ("a valid value", None))[0] if err["loc"] else "a JSON object"
-            errors.append(f"{where}.{key}: got {given!r}; allowed {allowed} ({err['msg']})")
+            why = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+            errors.append(f"{where}.{key}: got {given!r}; allowed: {allowed} ({why})")
         return None, errors

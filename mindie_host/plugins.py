@@ -24,6 +24,7 @@ from .context import (
     concern_of,
     declared_params,
     declared_state,
+    param_fields,
     plugin_logger,
     validate_params,
 )
@@ -90,6 +91,44 @@ def installed_plugins() -> list[InstalledPlugin]:
             )
         )
     return sorted(found, key=lambda p: p.name)
+
+
+@dataclass
+class PluginDescription:
+    """What ``mindie-host plugins`` shows of one plugin: its hooks and its parameters."""
+
+    hooks: list[str]
+    #: ``Plugins.<name>`` key -> (type, default; ``...`` when required)
+    params: dict[str, tuple[str, Any]]
+    error: str | None = None
+
+
+def describe_plugin(plugin: object) -> PluginDescription:
+    """The hooks ``plugin`` implements (marked with ``@hookimpl``) and the parameters its ``Params`` declares."""
+    hooks = sorted(
+        name for name in dir(plugin)
+        if name.startswith("mindie_host_") and hasattr(getattr(plugin, name, None), "mindie_host_impl")
+    )
+    schema = declared_params(plugin)
+    return PluginDescription(hooks=hooks, params=param_fields(schema) if schema is not None else {})
+
+
+def describe_installed(entry_point_name: str) -> PluginDescription:
+    """Import the installed plugin ``entry_point_name`` and describe it (an import error is reported, not raised)."""
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP, name=entry_point_name):
+        try:
+            return describe_plugin(ep.load())
+        except Exception as exc:  # a plugin whose dependencies are missing here
+            return PluginDescription(hooks=[], params={}, error=f"{type(exc).__name__}: {exc}")
+    return PluginDescription(hooks=[], params={}, error="not installed")
+
+
+def describe_builtins() -> PluginDescription:
+    """The hooks of the host's builtin modules together (builtins declare no parameters)."""
+    hooks: set[str] = set()
+    for module_name in BUILTIN_PLUGINS:
+        hooks.update(describe_plugin(importlib.import_module(module_name)).hooks)
+    return PluginDescription(hooks=sorted(hooks), params={})
 
 
 def enabled_plugin_names(config: Config) -> list[str]:
@@ -310,21 +349,26 @@ class PluginHost:
         errors = [f"Plugins.{name}: no enabled plugin is named {name!r} (enabled: {', '.join(self.enabled) or 'none'}); "
                   "enable it in ModelConfig.plugin_params or remove the section"
                   for name in config.Plugins if name not in self.enabled]
+        rejected: set[str] = set()
         for name in self.enabled:
             plugin = self.pm.get_plugin(name)
             if plugin is None or name in self._params:
                 continue
             value, problems = validate_params(name, declared_params(plugin), self._section(name, plugin))
             errors.extend(problems)
-            if not problems:
+            if problems:
+                rejected.add(name)
+            else:
                 self._params[name] = value
-        if errors:
-            return errors
         model = self._model
         for entry in config.BackendConfig.ModelDeployConfig.ModelConfig:
             self.bind(config, entry, self._host)
-            for result in self.hook.mindie_host_validate_config(config=config, model_config=entry):
-                errors.extend(result or [])
+            # each plugin's own checks too (all problems in one report), except where its Params were rejected
+            for impl in reversed(self.pm.hook.mindie_host_validate_config.get_hookimpls()):
+                if impl.plugin_name in rejected and hasattr(impl.function, "__wrapped__"):
+                    continue  # it takes ctx, whose params were rejected
+                kwargs = {"config": config, "model_config": entry}
+                errors.extend(impl.function(*[kwargs[arg] for arg in impl.argnames]) or [])
         self.bind(config, model, self._host)
         return errors
 

@@ -91,3 +91,37 @@ def test_enabled_plugin_wins_over_builtin(tiny_model: Path) -> None:
         order += [o.request_id for o in llm.step() if o.finished]
     assert order == ["r2", "r1", "r0"]
     assert run_engine(host, [])  == {}
+
+
+def test_plugins_command_lists_hooks_and_parameters() -> None:
+    """`mindie-host plugins` shows each plugin's hooks and the `Plugins.<name>` keys its Params declares."""
+    r = cli("plugins", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert "mindie_host_add_routes" in rows["builtin"]["hooks"]
+    spf = rows["shortest_prompt_first"]
+    assert spf["hooks"] == ["mindie_host_order_waiting"]
+    assert spf["params"] == {"agingTokensPerSecond": {"type": "float", "default": 0.0, "required": False}}
+    text = cli("plugins").stdout
+    assert "param:  Plugins.shortest_prompt_first.agingTokensPerSecond (float, default 0.0)" in text
+
+
+def test_config_validate_checks_plugin_params(tmp_path: Path) -> None:
+    """`mindie-host config validate` validates an enabled plugin's Params and names the plugin and key."""
+    data = default_config_dict()
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = json.dumps(
+        {"plugin_type": "shortest_prompt_first"})
+    data["Plugins"] = {"shortest_prompt_first": {"agingTokensPerSecond": "fast", "colour": 1}}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    r = cli("config", "validate", str(tmp_path / "c.json"))
+    assert r.returncode == 1
+    assert "Plugins.shortest_prompt_first.colour: not a parameter of plugin 'shortest_prompt_first'" in r.stdout
+    data["Plugins"] = {"shortest_prompt_first": {"agingTokensPerSecond": "fast"}}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    r = cli("config", "validate", str(tmp_path / "c.json"))
+    assert r.returncode == 1
+    assert "Plugins.shortest_prompt_first.agingTokensPerSecond: got 'fast'; allowed: float" in r.stdout
+    data["Plugins"] = {"shortest_prompt_first": {"agingTokensPerSecond": 5}}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    r = cli("config", "validate", str(tmp_path / "c.json"))
+    assert r.returncode == 0, r.stdout

@@ -24,13 +24,18 @@ under ``LOCAL_CACHE_DIR``. The hooks:
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field, StrictBool, field_validator
+
 from mindie_host import hookimpl
 from mindie_host.api import (
+    BackendContext,
     EngineRequest,
+    LifecycleContext,
+    ModelConfig,
+    RequestContext,
     RequestError,
     register_media_handler,
     resolve_model,
@@ -46,44 +51,44 @@ from .models import ModelSpec, MultimodalModelError, read_spec
 __all__ = ["NAME", "MultimodalPayload", "MultimodalTorchBackend", "collect_media"]
 
 NAME = "multimodal"
-log = logging.getLogger("mindie_plugin_multimodal")
 
-DEFAULTS: dict[str, Any] = {"allowedLocalMediaPath": [], "allowHttp": False, "httpTimeoutS": 10.0}
 MEDIA_KINDS = ("image_url", "video_url", "audio_url")
 #: body keys that may hold a list of content parts, per protocol family
 CONTENT_KEYS = ("prompt", "inputs", "text_input")
 
 
-def settings(config: Any) -> dict[str, Any]:
-    """``Plugins.multimodal`` over the defaults (unchecked)."""
-    section = (getattr(config, "Plugins", None) or {}).get(NAME) or {}
-    return {**DEFAULTS, **section} if isinstance(section, dict) else dict(DEFAULTS)
+class Params(BaseModel):
+    """``Plugins.multimodal``: where media may come from (validated by the host at startup)."""
+
+    #: directories whose files ``image_url`` may name (a single path is accepted too)
+    allowedLocalMediaPath: list[str] = Field(default_factory=list)
+    #: fetch ``http(s)://`` image URLs
+    allowHttp: StrictBool = False
+    #: the fetch timeout, in seconds
+    httpTimeoutS: float = Field(default=10.0, gt=0, le=600)
+
+    @field_validator("allowedLocalMediaPath", mode="before")
+    @classmethod
+    def _existing_dirs(cls, value: Any) -> Any:
+        dirs = [value] if isinstance(value, str) else value
+        if not isinstance(dirs, list) or not all(isinstance(d, str) and Path(d).expanduser().is_dir() for d in dirs):
+            raise ValueError("a list of existing directories")
+        return dirs
 
 
-def _dirs(value: Any) -> list[str]:
-    return [value] if isinstance(value, str) else list(value) if isinstance(value, list) else []
+class State:
+    """Per engine: the image runtime, once the model is loaded (``None`` before startup and after shutdown)."""
+
+    def __init__(self) -> None:
+        self.runtime: ImageRuntime | None = None
 
 
 @hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str] | None:
-    """``Plugins.multimodal`` keys and the model directory (a LLaVA or Qwen2-VL config.json)."""
-    if NAME not in getattr(model_config, "plugins", []):
+def mindie_host_validate_config(model_config: ModelConfig) -> list[str] | None:
+    """The model directory must be a LLaVA or Qwen2-VL one served by the torch backend."""
+    if NAME not in model_config.plugins:
         return None
-    section = (getattr(config, "Plugins", None) or {}).get(NAME, {})
-    if not isinstance(section, dict):
-        return [f"Plugins.multimodal: got {section!r}; allowed a JSON object"]
-    s = {**DEFAULTS, **section}
-    errors = [f"Plugins.multimodal.{k} is not a known key (allowed: {', '.join(DEFAULTS)})"
-              for k in section if k not in DEFAULTS]
-    dirs = s["allowedLocalMediaPath"]
-    if not (isinstance(dirs, (str, list)) and all(isinstance(d, str) and Path(d).expanduser().is_dir()
-                                                   for d in _dirs(dirs))):
-        errors.append(f"Plugins.multimodal.allowedLocalMediaPath: got {dirs!r}; allowed a list of existing directories")
-    if not isinstance(s["allowHttp"], bool):
-        errors.append(f"Plugins.multimodal.allowHttp: got {s['allowHttp']!r}; allowed true or false")
-    t = s["httpTimeoutS"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 600:
-        errors.append(f"Plugins.multimodal.httpTimeoutS: got {t!r}; allowed a number in (0, 600]")
+    errors = []
     if model_config.backendType != "torch":
         errors.append(f"plugin multimodal serves backendType 'torch' only, got {model_config.backendType!r}")
     try:
@@ -94,9 +99,10 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str] | N
 
 
 @hookimpl
-def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any) -> Any:
+def mindie_host_model_backend(ctx: BackendContext, backend_type: str) -> Any:
     """The multimodal torch backend, for a ``torch`` model with this plugin enabled."""
-    if backend_type != "torch" or NAME not in getattr(model_config, "plugins", []):
+    model_config = ctx.model
+    if backend_type != "torch" or NAME not in model_config.plugins:
         return None
     return MultimodalTorchBackend(
         resolve_model(model_config.modelWeightPath),
@@ -186,35 +192,35 @@ def collect_media(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]
 
 
 @hookimpl
-def mindie_host_startup(host: Any) -> None:
+def mindie_host_startup(ctx: LifecycleContext) -> None:
     """Build the image runtime and let the protocol parsers accept image parts."""
-    if NAME not in host.model_config.plugins:
+    host = ctx.host
+    if host is None or NAME not in ctx.model.plugins:
         return
     # from config.json, not the backend: with ServerConfig.engineProcess the model lives in another process
-    spec = read_spec(resolve_model(host.model_config.modelWeightPath).path)
-    s = settings(host.config)
+    spec = read_spec(resolve_model(ctx.model.modelWeightPath).path)
+    p: Params = ctx.params
     policy = MediaPolicy(
-        allowed_dirs=[Path(d).expanduser().resolve() for d in _dirs(s["allowedLocalMediaPath"])],
-        allow_http=bool(s["allowHttp"]), http_timeout_s=float(s["httpTimeoutS"]), cache_dir=default_cache_dir(),
+        allowed_dirs=[Path(d).expanduser().resolve() for d in p.allowedLocalMediaPath],
+        allow_http=p.allowHttp, http_timeout_s=p.httpTimeoutS, cache_dir=default_cache_dir(),
     )
-    runtime = ImageRuntime(spec, host.tokenizer, policy, host.max_input_tokens)
-    host.state[NAME] = runtime
+    runtime = ctx.state.runtime = ImageRuntime(spec, host.tokenizer, policy, host.max_input_tokens)
     register_media_handler(host, runtime)
-    log.info("multimodal on: %s, image text %r", spec.family, runtime.image_text)
+    ctx.log.info("multimodal on: %s, image text %r", spec.family, runtime.image_text)
 
 
 @hookimpl
-def mindie_host_shutdown(host: Any) -> None:
+def mindie_host_shutdown(ctx: LifecycleContext) -> None:
     """Stop accepting image parts for this host."""
-    runtime = host.state.pop(NAME, None)
-    if runtime is not None:
-        unregister_media_handler(host)
+    if ctx.state.runtime is not None and ctx.host is not None:
+        ctx.state.runtime = None
+        unregister_media_handler(ctx.host)
 
 
 @hookimpl
-def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Any) -> None:
+def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any]) -> None:
     """Attach the body's images to the request (placeholder spans, payload, prefix-cache keys)."""
-    runtime: ImageRuntime | None = host.state.get(NAME)
+    runtime: ImageRuntime | None = ctx.state.runtime
     if runtime is None or not isinstance(body, dict):
         return
     parts = collect_media(body)
@@ -237,9 +243,9 @@ def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
 
 
 @hookimpl
-def mindie_host_metrics(host: Any) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
     """``multimodal_images_encoded``, ``multimodal_vision_batches`` and seconds spent in the vision tower."""
-    backend = host.backend
+    backend = ctx.host.backend if ctx.host is not None else None
     if not isinstance(backend, MultimodalTorchBackend):
         return None
     return {f"multimodal_{k}": float(v) for k, v in backend.counters.items()}

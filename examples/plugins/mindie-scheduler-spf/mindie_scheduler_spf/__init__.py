@@ -10,31 +10,19 @@ second it has waited, so long prompts cannot starve. Enable it in config.json::
 
 from __future__ import annotations
 
-from typing import Any
+from pydantic import BaseModel, Field
 
-from mindie_host.api import hookimpl
-
-NAME = "shortest_prompt_first"
+from mindie_host.api import SchedulingContext, SequenceView, hookimpl
 
 
-def aging(config: Any) -> Any:
-    """``Plugins.shortest_prompt_first.agingTokensPerSecond`` (default 0: pure shortest-first)."""
-    return config.Plugins.get(NAME, {}).get("agingTokensPerSecond", 0)
+class Params(BaseModel):
+    """``Plugins.shortest_prompt_first``: the host validates it at startup and in ``config validate``."""
 
-
-@hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
-    """Refuse a negative or non-numeric aging rate, naming the key and the allowed range."""
-    rate = aging(config)
-    if NAME in model_config.plugins and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0):
-        return [f"Plugins.{NAME}.agingTokensPerSecond is {rate!r}; allowed: a number >= 0"]
-    return []
+    agingTokensPerSecond: float = Field(default=0.0, ge=0)
 
 
 @hookimpl
-def mindie_host_order_waiting(waiting: list[Any], config: Any, now: float) -> list[Any] | None:
+def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView], now: float) -> list[SequenceView]:
     """Fewest prompt tokens left first; every waited second counts as ``agingTokensPerSecond`` fewer."""
-    if NAME not in config.model.plugins:
-        return None  # installed but not enabled for this model: let the builtin order decide
-    rate = aging(config)
+    rate = ctx.params.agingTokensPerSecond
     return sorted(waiting, key=lambda s: (s.num_uncomputed - rate * (now - s.arrival_time), s.arrival_time))
