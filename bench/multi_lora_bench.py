@@ -152,7 +152,7 @@ def step_bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         runtime = LoraRuntime(dims, k, args.rank, kernel=kernel)
         for slot, adapter in enumerate(adapters):
             runtime.write_slot(slot, adapter)
-        backend.set_lora(runtime)
+        backend.set_linear_deltas(runtime)
         for shape, make in shapes.items():
             times: dict[str, list[float]] = {m: [] for m in mixes_}
             for _ in range(5):

@@ -62,7 +62,7 @@ def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> 
         n = len(chunk)
         out.append(backend.execute(ModelInput(
             input_ids=chunk, positions=list(range(n)), query_lens=[n], context_lens=[n],
-            block_tables=[list(range(1, blocks + 1))], logits_indices=list(range(n)), adapter_indices=[-1],
+            block_tables=[list(range(1, blocks + 1))], logits_indices=list(range(n)), row_variants=[-1],
         )).float())
     backend.shutdown()
     return out

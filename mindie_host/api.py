@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from . import hookimpl
-from .backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
+from .backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
 from .backends.torch.backend import TorchBackend, resolve_dtype
 from .backends.torch.model import TorchLlama
@@ -20,12 +20,14 @@ from .context import (
     RequestContext,
     SchedulingContext,
 )
+from .engine.block_pool import BlockPool, RefCountedBlockPool
 from .engine.kv_cache import KVCacheManager
 from .engine.policy import (
     SchedulerLimits,
     SchedulerState,
     StepPlan,
     admit_prefills,
+    least_urgent,
     order_fcfs,
     order_priority,
     plan_standard,
@@ -39,11 +41,14 @@ from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights,
 from .tool_parsers import HermesToolParser, JsonToolParser, ToolParser, make_call
 
 __all__ = [
+    "BlockPool",
+    "RefCountedBlockPool",
     "BackendContext",
     "Config",
     "Host",
     "KVContext",
     "LifecycleContext",
+    "LinearDeltas",
     "ModelConfig",
     "PluginContext",
     "RequestContext",
@@ -81,6 +86,7 @@ __all__ = [
     "default_model_path",
     "hookimpl",
     "iter_weights",
+    "least_urgent",
     "load_arch",
     "make_call",
     "order_fcfs",

@@ -122,12 +122,15 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_refine_request": RequestContext,
     "mindie_host_request_finished": RequestContext,
     "mindie_host_tool_call_parser": RequestContext,
+    "mindie_host_served_models": RequestContext,
     "mindie_host_order_waiting": SchedulingContext,
     "mindie_host_filter_waiting": SchedulingContext,
     "mindie_host_plan_step": SchedulingContext,
+    "mindie_host_preemption_victim": SchedulingContext,
     "mindie_host_kv_cache_manager": KVContext,
     "mindie_host_model_backend": BackendContext,
     "mindie_host_backend_types": BackendContext,
+    "mindie_host_linear_deltas": BackendContext,
 }
 
 
@@ -158,7 +161,8 @@ def param_fields(schema: type) -> dict[str, tuple[str, Any]]:
     if model_fields is not None:  # a pydantic model
         for name, f in model_fields.items():
             key = f.alias or name
-            fields[key] = (_type_text(f.annotation), ... if f.is_required() else f.get_default(call_default_factory=True))
+            text = _type_text(f.annotation) + _bounds_text(f.metadata)
+            fields[key] = (text, ... if f.is_required() else f.get_default(call_default_factory=True))
         return fields
     if dataclasses.is_dataclass(schema):
         for f in dataclasses.fields(schema):
@@ -171,6 +175,17 @@ def param_fields(schema: type) -> dict[str, tuple[str, Any]]:
             fields[f.name] = (_type_text(f.type), default)
         return fields
     raise TypeError(f"Params must be a pydantic model or a dataclass, not {schema!r}")
+
+
+def _bounds_text(metadata: list[Any]) -> str:
+    """`` in [lo, hi]`` (or half-open) from a pydantic field's ``ge``/``gt``/``le``/``lt`` constraints."""
+    bounds = {name: getattr(m, name) for m in metadata for name in ("ge", "gt", "le", "lt")
+              if type(m).__name__.lower() == name}
+    if not bounds:
+        return ""
+    lo = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else "(-inf"
+    hi = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else "inf)"
+    return f" in {lo}, {hi}"
 
 
 def _type_text(annotation: Any) -> str:

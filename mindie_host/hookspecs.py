@@ -45,7 +45,7 @@ import pluggy
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from .backends.base import ModelBackend
+    from .backends.base import LinearDeltas, ModelBackend, ModelInfo
     from .config import Config, ModelConfig
     from .context import (
         BackendContext,
@@ -145,7 +145,7 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
 
     :param request: the :class:`~mindie_host.engine.request.EngineRequest`,
         already tokenized and range-checked; mutate it in place (e.g. set
-        ``adapter``, ``adapter_index`` and ``cache_salt``). This is also the
+        ``variant``, ``cache_salt`` and your own entry in ``extensions``). This is also the
         input-processing seam for typed content items (images): the protocol
         parsers put the text a media handler gives for each item
         (:mod:`mindie_host.content`) into the prompt; the plugin then
@@ -166,8 +166,8 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
 def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest, reason: str) -> None:
     """Called when a request leaves the engine, whatever the cause.
 
-    :param request: the request as the engine ran it (``adapter``,
-        ``adapter_index`` ... as refined).
+    :param request: the request as the engine ran it (``variant``,
+        ``extensions`` ... as refined).
     :param reason: ``"stop"``, ``"length"``, ``"abort"``, ``"timeout"`` or ``"error"``.
     Called on the engine thread, once per request that reached the engine; keep
     it cheap. Plugins use it to release per-request resources (``multi_lora``
@@ -188,6 +188,16 @@ def mindie_host_tool_call_parser(ctx: RequestContext, model_type: str, host: Hos
         :class:`mindie_host.api.ToolParser` to get defaults for these and for the
         prompt used when the chat template ignores ``tools``. Called once per
         server (the result is cached); the builtins answer last. firstresult.
+    """
+
+
+@hookspec
+def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
+    """Names besides the base model that requests may put in ``model`` (listed by ``/v1/models``).
+
+    :return: the names this plugin serves (``multi_lora``: its adapters), or ``None``.
+    Called on every request that names a model and every model listing: keep it
+    cheap. Not firstresult; the lists are concatenated after the base model's name.
     """
 
 
@@ -241,6 +251,24 @@ def mindie_host_plan_step(ctx: SchedulingContext, state: SchedulerState) -> Step
     """
 
 
+@hookspec(firstresult=True)
+def mindie_host_preemption_victim(ctx: SchedulingContext, running: list[SequenceView],
+                                  needed_by: SequenceView) -> SequenceView | None:
+    """Choose the running sequence that gives its KV blocks back when the pool runs dry.
+
+    :param running: the candidates: running sequences not computed in this step yet,
+        in admission order (never empty). Do not mutate them.
+    :param needed_by: the sequence the step is making room for.
+    :return: one of ``running``, or ``None`` to defer. The engine frees the victim's
+        blocks and puts it back at the head of the waiting queue; it is recomputed when
+        admitted again (its generated tokens are kept, so its output does not change).
+        It asks again until ``needed_by`` fits or no candidate is left (then
+        ``needed_by`` itself waits). firstresult; the builtin picks the least urgent
+        (highest ``priority`` number), latest-arrived sequence. An answer that is not
+        among ``running`` is an error: the engine logs it and uses the builtin's choice.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # KV-cache management
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +299,23 @@ def mindie_host_model_backend(ctx: BackendContext, backend_type: str, model_conf
         plugin serves ``backend_type``, else ``None``. Raise ``RuntimeError``
         with an install hint if the type is yours but a dependency is missing.
         firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_linear_deltas(ctx: BackendContext, info: ModelInfo) -> LinearDeltas | None:
+    """Contribute per-row deltas to the model's named linear layers: per-request model variants.
+
+    :param info: the loaded model (dimensions, dtype, device).
+    :return: a :class:`~mindie_host.api.LinearDeltas` (``prepare(batch)`` once per step,
+        ``apply(name, layer, x, y)`` after each of ``"qkv"``, ``"o"``, ``"gate_up"``,
+        ``"down"``), or ``None``. The host attaches it with
+        ``ModelBackend.set_linear_deltas`` right after the model loads, and refuses to
+        start if the backend cannot apply it. A request runs a variant when a plugin
+        sets ``EngineRequest.variant`` >= 0 (and salts ``cache_salt``, so that a prefix
+        cache never shares its blocks with another variant); the backend sees it in
+        ``ModelInput.row_variants``. ``multi_lora`` implements this with batched LoRA.
+        Called once, in the process that runs the model. firstresult.
     """
 
 

@@ -295,9 +295,10 @@ class PluginHost:
             self._params[name] = value
         return self._params[name]
 
-    def state(self, name: str, plugin: object) -> Any:
+    def state(self, name: str, plugin: object | None = None) -> Any:
         """Plugin ``name``'s per-engine ``State`` instance (made on first use), or ``None``."""
         if name not in self._states:
+            plugin = plugin if plugin is not None else self.pm.get_plugin(name)
             factory = declared_state(plugin)
             self._states[name] = factory() if factory is not None else None
         return self._states[name]

@@ -30,7 +30,7 @@ def _tokens(seq: int, n: int) -> list[int]:
 def _prefill(backend: TorchBackend, ids: list[int], table: list[int]) -> torch.Tensor:
     n = len(ids)
     return backend.execute(ModelInput(input_ids=ids, positions=list(range(n)), query_lens=[n], context_lens=[n],
-                                      block_tables=[table], logits_indices=[n - 1], adapter_indices=[-1]))
+                                      block_tables=[table], logits_indices=[n - 1], row_variants=[-1]))
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_mixed_query_lengths_match_each_sequence_alone(backend: TorchBackend, ca
         rows.append(len(ids) - 1)
     got = backend.execute(ModelInput(
         input_ids=ids, positions=pos, query_lens=new, context_lens=[c + n for c, n in zip(cached, new)],
-        block_tables=tables, logits_indices=rows, adapter_indices=[-1] * len(new),
+        block_tables=tables, logits_indices=rows, row_variants=[-1] * len(new),
     ))
     for i in range(len(new)):
         torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=1e-4)

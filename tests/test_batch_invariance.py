@@ -46,13 +46,13 @@ def step(backend: TorchBackend, prompts: list[list[int]], tables: list[list[int]
     return backend.execute(ModelInput(
         input_ids=rows, positions=[t for p in prompts for t in range(len(p))], query_lens=[len(p) for p in prompts],
         context_lens=[len(p) for p in prompts], block_tables=tables, logits_indices=ends,
-        adapter_indices=[-1] * len(prompts)))
+        row_variants=[-1] * len(prompts)))
 
 
 def decode(backend: TorchBackend, tokens: list[int], ctx: list[int], tables: list[list[int]]) -> torch.Tensor:
     return backend.execute(ModelInput(
         input_ids=tokens, positions=ctx, query_lens=[1] * len(tokens), context_lens=[c + 1 for c in ctx],
-        block_tables=tables, logits_indices=list(range(len(tokens))), adapter_indices=[-1] * len(tokens)))
+        block_tables=tables, logits_indices=list(range(len(tokens))), row_variants=[-1] * len(tokens)))
 
 
 @pytest.mark.slow

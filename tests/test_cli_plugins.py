@@ -101,9 +101,9 @@ def test_plugins_command_lists_hooks_and_parameters() -> None:
     assert "mindie_host_add_routes" in rows["builtin"]["hooks"]
     spf = rows["shortest_prompt_first"]
     assert spf["hooks"] == ["mindie_host_order_waiting"]
-    assert spf["params"] == {"agingTokensPerSecond": {"type": "float", "default": 0.0, "required": False}}
+    assert spf["params"] == {"agingTokensPerSecond": {"type": "float in [0, inf)", "default": 0.0, "required": False}}
     text = cli("plugins").stdout
-    assert "param:  Plugins.shortest_prompt_first.agingTokensPerSecond (float, default 0.0)" in text
+    assert "param:  Plugins.shortest_prompt_first.agingTokensPerSecond (float in [0, inf), default 0.0)" in text
 
 
 def test_config_validate_checks_plugin_params(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ def _prefill(prompts: list[list[int]], block_size: int) -> ModelInput:
         rows.append(len(ids) - 1)
     return ModelInput(input_ids=ids, positions=pos, query_lens=[len(p) for p in prompts],
                       context_lens=[len(p) for p in prompts], block_tables=tables, logits_indices=rows,
-                      adapter_indices=[-1] * len(prompts))
+                      row_variants=[-1] * len(prompts))
 
 
 def _decode(prompts: list[list[int]], prefill: ModelInput) -> ModelInput:
@@ -43,7 +43,7 @@ def _decode(prompts: list[list[int]], prefill: ModelInput) -> ModelInput:
     n = len(prompts)
     return ModelInput(input_ids=[7] * n, positions=[len(p) for p in prompts], query_lens=[1] * n,
                       context_lens=[len(p) + 1 for p in prompts], block_tables=prefill.block_tables,
-                      logits_indices=list(range(n)), adapter_indices=[-1] * n)
+                      logits_indices=list(range(n)), row_variants=[-1] * n)
 
 
 def test_cuda_logits_match_cpu_and_graph_logits_match_eager(tiny_model: Path) -> None:

@@ -90,7 +90,7 @@ def test_padded_rows_leave_the_cache_alone(tiny_model: Path, seqs: int) -> None:
     bs = backend.block_size
     batch = ModelInput(
         input_ids=[5] * seqs, positions=[3] * seqs, query_lens=[1] * seqs, context_lens=[4] * seqs,
-        block_tables=[[i + 1] for i in range(seqs)], logits_indices=list(range(seqs)), adapter_indices=[-1] * seqs,
+        block_tables=[[i + 1] for i in range(seqs)], logits_indices=list(range(seqs)), row_variants=[-1] * seqs,
     )
     backend.execute(batch)
     scratch = backend.model.graphs.scratch_slot

@@ -89,7 +89,7 @@ def _teacher_forced_logits(host, seqs: list[list[int]], batched: bool) -> list[t
             logits = backend.execute(ModelInput(
                 input_ids=[seqs[i][t] for i in live], positions=[t] * len(live), query_lens=[1] * len(live),
                 context_lens=[t + 1] * len(live), block_tables=[tables[i] for i in live],
-                logits_indices=list(range(len(live))), adapter_indices=[-1] * len(live),
+                logits_indices=list(range(len(live))), row_variants=[-1] * len(live),
             ))
             for j, i in enumerate(live):
                 out[i].append(logits[j])

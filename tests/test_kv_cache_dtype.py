@@ -25,9 +25,9 @@ def test_bfloat16_cache_halves_the_bytes_and_keeps_the_logits(tiny_model: Path) 
     assert 2 * half.kv_cache_bytes_per_block(16) == full.kv_cache_bytes_per_block(16)
     prompt = list(range(300, 340))
     prefill = ModelInput(input_ids=prompt, positions=list(range(40)), query_lens=[40], context_lens=[40],
-                         block_tables=[[1, 2, 3]], logits_indices=[39], adapter_indices=[-1])
+                         block_tables=[[1, 2, 3]], logits_indices=[39], row_variants=[-1])
     decode = ModelInput(input_ids=[7], positions=[40], query_lens=[1], context_lens=[41], block_tables=[[1, 2, 3]],
-                        logits_indices=[0], adapter_indices=[-1])
+                        logits_indices=[0], row_variants=[-1])
     for step in (prefill, decode):  # the decode step reads the prompt's K/V back from the cache
         want, got = full.execute(step), half.execute(step)
         scale = want.abs().max().item()

@@ -85,12 +85,12 @@ def decode_logits(backend: TorchBackend, seqs: int, ctx: int = 20) -> torch.Tens
     for s in range(seqs):
         backend.execute(ModelInput(
             input_ids=prompts[s], positions=list(range(ctx)), query_lens=[ctx], context_lens=[ctx],
-            block_tables=[tables[s]], logits_indices=[ctx - 1], adapter_indices=[-1],
+            block_tables=[tables[s]], logits_indices=[ctx - 1], row_variants=[-1],
         ))
     return backend.execute(ModelInput(
         input_ids=[(5 * s) % VOCAB for s in range(seqs)], positions=[ctx] * seqs, query_lens=[1] * seqs,
         context_lens=[ctx + 1] * seqs, block_tables=tables, logits_indices=list(range(seqs)),
-        adapter_indices=[-1] * seqs,
+        row_variants=[-1] * seqs,
     ))
 
 

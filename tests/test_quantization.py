@@ -44,9 +44,9 @@ def _logits(backend: Any) -> torch.Tensor:
     """Teacher-forced logits at every prompt position, then one decode step reading the cache back."""
     n = len(PROMPT)
     prefill = ModelInput(input_ids=PROMPT, positions=list(range(n)), query_lens=[n], context_lens=[n],
-                         block_tables=[[1, 2, 3, 4]], logits_indices=list(range(n)), adapter_indices=[-1])
+                         block_tables=[[1, 2, 3, 4]], logits_indices=list(range(n)), row_variants=[-1])
     decode = ModelInput(input_ids=[7], positions=[n], query_lens=[1], context_lens=[n + 1],
-                        block_tables=[[1, 2, 3, 4]], logits_indices=[0], adapter_indices=[-1])
+                        block_tables=[[1, 2, 3, 4]], logits_indices=[0], row_variants=[-1])
     return torch.cat([backend.execute(prefill), backend.execute(decode)])
 
 

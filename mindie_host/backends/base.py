@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -71,6 +71,27 @@ class PayloadSlice:
     payload: Any
 
 
+class LinearDeltas(Protocol):
+    """Per-row deltas to a model's named linear layers: the seam for per-request model variants.
+
+    A plugin returns one from ``mindie_host_linear_deltas``; a backend that supports
+    it (:meth:`ModelBackend.set_linear_deltas`) calls :meth:`prepare` once per step
+    in which any ``batch.row_variants`` is >= 0, then :meth:`apply` after each named
+    projection of each layer. Steps where every row is ``-1`` never touch it, so the
+    base model keeps its fast paths (compiled and graph-captured decode).
+    """
+
+    def prepare(self, batch: ModelInput) -> None:
+        """Gather what this step's rows need (e.g. each token's variant index)."""
+
+    def apply(self, name: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base projection ``name`` of input ``x`` at decoder layer ``layer``) plus each row's delta.
+
+        ``name`` is one of ``"qkv"``, ``"o"``, ``"gate_up"`` and ``"down"``.
+        """
+        ...
+
+
 @dataclass
 class ModelInput:
     """One forward step over a batch of sequences, flattened.
@@ -81,7 +102,8 @@ class ModelInput:
     ``block_tables[i]`` maps its token positions to cache blocks
     (slot = block_tables[i][pos // block_size] * block_size + pos % block_size).
     ``logits_indices`` are the flat token indices whose logits are returned, in
-    order. ``adapter_indices[i]`` is the LoRA slot of sequence ``i`` (-1 = base).
+    order. ``row_variants[i]`` is the model variant of sequence ``i`` (``EngineRequest.variant``;
+    -1 = the base model), read by the linear-delta provider (:class:`LinearDeltas`).
     ``payloads`` lists, for each sequence whose request carries a plugin payload
     (:attr:`EngineRequest.payload`), a :class:`PayloadSlice`; ``None`` (the text-only
     case) when none does.
@@ -93,7 +115,7 @@ class ModelInput:
     context_lens: list[int]
     block_tables: list[list[int]]
     logits_indices: list[int]
-    adapter_indices: list[int] = field(default_factory=list)
+    row_variants: list[int] = field(default_factory=list)
     payloads: list[PayloadSlice] | None = None
 
     @property
@@ -140,15 +162,12 @@ class ModelBackend(abc.ABC):
         """Run one forward step, write the new tokens' KV, and return float32 logits
         of shape ``[len(batch.logits_indices), vocab_size]`` on the CPU or device."""
 
-    def set_lora(self, runtime: Any) -> bool:
-        """Hand the backend a LoRA runtime (the ``multi_lora`` plugin calls this at startup).
+    def set_linear_deltas(self, provider: LinearDeltas | None) -> bool:
+        """Attach the provider of per-row deltas to named linear layers (``None`` detaches it).
 
-        ``runtime`` provides ``prepare(batch: ModelInput)``, called once per step
-        before the forward pass when any ``batch.adapter_indices`` is >= 0, and
-        ``apply_qkv(layer, x, out)``, ``apply_o``, ``apply_gate_up`` and
-        ``apply_down``, each returning ``out`` (the base projection of ``x``) plus
-        every token's own adapter delta. Pass ``None`` to detach it.
-        :return: True if this backend applies LoRA runtimes; the default is False.
+        The host calls this at startup with what ``mindie_host_linear_deltas`` returned.
+        :return: True if this backend applies such deltas; the default is False (the
+            host then refuses to start, naming the plugin).
         """
         return False
 

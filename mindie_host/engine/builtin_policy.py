@@ -13,6 +13,7 @@ from .kv_cache import KVCacheManager
 from .policy import (
     SchedulerState,
     StepPlan,
+    least_urgent,
     order_fcfs,
     order_longest_first,
     order_priority,
@@ -39,6 +40,12 @@ def mindie_host_order_waiting(waiting: list[SequenceView], config: Any, now: flo
 def mindie_host_plan_step(state: SchedulerState) -> StepPlan:
     """MindIE's Standard template."""
     return plan_standard(state)
+
+
+@hookimpl(trylast=True)
+def mindie_host_preemption_victim(running: list[SequenceView]) -> SequenceView:
+    """The least urgent (highest ``priority`` number), then latest-arrived running sequence."""
+    return least_urgent(running)
 
 
 @hookimpl(trylast=True)

@@ -19,7 +19,7 @@ import torch
 from ..backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .detokenizer import Detokenizer
 from .kv_cache import KVCacheManager
-from .policy import SchedulerLimits, SchedulerState, StepPlan
+from .policy import SchedulerLimits, SchedulerState, StepPlan, least_urgent
 from .request import EngineRequest, RequestOutput, TokenLogprob
 from .sampling import Sampler, make_generator
 from .sequence import Sequence, SequenceStatus
@@ -64,7 +64,6 @@ class LLMEngine:
         self.by_request: dict[str, Sequence] = {}
         self.plan_memo: dict[str, Any] = {}
         self._next_seq_id = 0
-        self._matched: set[int] = set()
         self.counters: Counter[str] = Counter()
         self.last_step_time = 0.0
 
@@ -73,6 +72,9 @@ class LLMEngine:
         """Queue a tokenized request. Lengths must already be validated by the caller."""
         if request.request_id in self.by_request:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        # the front end refused an explicit max_tokens the prompt leaves no room for (Host.new_request); what
+        # is left here is the spec's cut at maxIterTimes and, without max_tokens, the room the prompt leaves:
+        # a request stopped by either ends with finish reason "length"
         room = self.limits.max_seq_len - len(request.prompt_token_ids)
         max_new = min(self.limits.max_iter_times, request.sampling.max_tokens or self.limits.max_iter_times, room)
         seq = Sequence(self._next_seq_id, request, max(1, max_new))
@@ -80,9 +82,9 @@ class LLMEngine:
         params = request.sampling
         seq.detok_state = self.detok.start(seq.prompt_len)
         if not params.greedy:
-            if params.seed is None:
-                params.seed = random.getrandbits(63)
-            seq.generator = make_generator(params.seed)
+            # the request's sampling parameters are never changed here: a drawn seed lives on the sequence
+            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+            seq.generator = make_generator(seq.seed)
         self.waiting.append(seq)
         self.by_request[request.request_id] = seq
         self.counters["requests_received"] += 1
@@ -143,11 +145,10 @@ class LLMEngine:
             if ordered is not None:
                 self.waiting = list(ordered)
         for seq in self.waiting[: self.scheduler_limits.max_batch_size]:
-            if seq.seq_id not in self._matched and seq.request.sampling.prompt_logprobs is None:
-                # (a request scoring its prompt computes every position: cached blocks give no logits)
-                self._matched.add(seq.seq_id)
+            if seq.request.sampling.prompt_logprobs is None:
+                # what the cache could supply now (a pure query: the blocks are held only on admission);
+                # a request scoring its prompt computes every position: cached blocks give no logits
                 seq.num_computed = self.kv.match_prefix(seq)
-                seq.num_cached_tokens = seq.num_computed
         waiting = list(self.waiting)
         if waiting:
             for allowed in self.hook.mindie_host_filter_waiting(waiting=list(waiting)):
@@ -175,19 +176,27 @@ class LLMEngine:
             seq = self.by_request.get(view.request_id)
             if seq is None or seq.status == SequenceStatus.FINISHED or seq.seq_id in preempted or n <= 0:
                 continue
+            if seq.status == SequenceStatus.WAITING:
+                self._acquire_prefix(seq)
             n = min(n, seq.num_uncomputed)
             while not self.kv.can_allocate(seq, n):
-                if self._unmatch_waiting(exclude=seq):
-                    continue
-                victim = self._pick_victim(exclude=in_step | {seq.seq_id})
+                # a running sequence that cannot grow is itself a candidate: the policy may keep it over another
+                victim = self._pick_victim(seq, exclude=in_step)
                 if victim is None:
                     break
                 self._preempt(victim)
                 preempted.add(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.seq_id in preempted:
+                continue
             if not self.kv.can_allocate(seq, n):
                 if seq.status == SequenceStatus.RUNNING:
                     self._preempt(seq)
                     preempted.add(seq.seq_id)
+                else:  # it waits: let go of the cached blocks it took on admission
+                    self.kv.free(seq)
+                    seq.num_computed = 0
                 continue
             if seq.status == SequenceStatus.WAITING:
                 self.waiting.remove(seq)
@@ -200,30 +209,22 @@ class LLMEngine:
             in_step.add(seq.seq_id)
         return StepPlan(done)  # type: ignore[arg-type]
 
-    def _unmatch_waiting(self, exclude: Sequence) -> bool:
-        """Release the cached-prefix blocks one waiting sequence holds since ``match_prefix``.
+    def _acquire_prefix(self, seq: Sequence) -> None:
+        """Admit ``seq``'s cached prefix: hold the blocks the KV manager matched. If some were evicted
+        since the match, computing starts earlier; what this step leaves, a later step computes."""
+        if seq.request.sampling.prompt_logprobs is None:
+            seq.num_computed = seq.num_cached_tokens = self.kv.acquire_prefix(seq)
 
-        A KV manager that shares blocks (``prefix_cache``) pins them for waiting
-        sequences; when a sequence being scheduled needs room, those pins go first
-        (last in the queue first), before any running sequence is preempted. The
-        released sequence simply matches again on a later step. Returns False when
-        no waiting sequence holds blocks.
-        """
-        for seq in reversed(self.waiting):
-            if seq is exclude or seq.seq_id not in self._matched or not self.kv.block_table(seq):
-                continue
-            self.kv.free(seq)
-            seq.num_computed = 0
-            seq.num_cached_tokens = 0
-            self._matched.discard(seq.seq_id)
-            return True
-        return False
-
-    def _pick_victim(self, exclude: set[int]) -> Sequence | None:
+    def _pick_victim(self, needed_by: Sequence, exclude: set[int]) -> Sequence | None:
+        """The running sequence to preempt for ``needed_by``: the ``mindie_host_preemption_victim`` hook's choice."""
         candidates = [s for s in self.running if s.seq_id not in exclude]
         if not candidates:
             return None
-        return max(candidates, key=lambda s: (s.priority, s.arrival_time))
+        victim = self.hook.mindie_host_preemption_victim(running=list(candidates), needed_by=needed_by)
+        if not any(victim is s for s in candidates):
+            log.error("mindie_host_preemption_victim answered %r, not a candidate; using the builtin choice", victim)
+            victim = least_urgent(candidates)
+        return victim  # type: ignore[return-value]
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it waits and is recomputed later (no request is dropped)."""
@@ -232,7 +233,6 @@ class LLMEngine:
         seq.status = SequenceStatus.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
-        self._matched.discard(seq.seq_id)
         self.waiting.insert(0, seq)
         self.counters["preemptions"] += 1
         log.info("preempted request %s (recompute later)", seq.request_id)
@@ -246,7 +246,7 @@ class LLMEngine:
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
         logits_idx: list[int] = []
-        adapters: list[int] = []
+        variants: list[int] = []
         samplers: list[tuple[Sequence, int, int]] = []
         payloads: list[PayloadSlice] | None = None
         for seq, n in plan.scheduled:  # type: ignore[assignment]
@@ -260,7 +260,7 @@ class LLMEngine:
             q_lens.append(n)
             ctx_lens.append(start + n)
             tables.append(self.kv.block_table(seq))
-            adapters.append(seq.adapter_index)
+            variants.append(seq.variant)
             want_prompt = seq.request.sampling.prompt_logprobs is not None and start < seq.prompt_len
             completes = start + n == seq.num_tokens
             if want_prompt:
@@ -275,7 +275,7 @@ class LLMEngine:
         return (
             ModelInput(
                 input_ids=ids, positions=positions, query_lens=q_lens, context_lens=ctx_lens,
-                block_tables=tables, logits_indices=logits_idx or [len(ids) - 1], adapter_indices=adapters,
+                block_tables=tables, logits_indices=logits_idx or [len(ids) - 1], row_variants=variants,
                 payloads=payloads,
             ),
             samplers,
@@ -476,7 +476,6 @@ class LLMEngine:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
-        self._matched.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.counters[f"finished_{reason}"] += 1
@@ -515,7 +514,7 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs if finished or first else None,
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
-            seed=seq.request.sampling.seed,
+            seed=seq.seed,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,

@@ -1,47 +1,49 @@
-"""Paged KV-cache block accounting: the default KV-cache manager.
+"""Paged KV-cache block accounting: the default KV-cache manager, built on the public block pool.
 
 The cache holds ``num_blocks`` blocks of ``block_size`` token slots each. A
 sequence owns a *block table*: the list of block ids holding its tokens in order.
-This module only does the bookkeeping; the backend owns the tensors.
+This module only does the bookkeeping; the backend owns the tensors. Blocks come
+from a :class:`~mindie_host.engine.block_pool.BlockPool` (``self.pool``).
 
-Plugins replace or extend this through the ``mindie_host_kv_cache_manager`` hook
-(``prefix_cache`` subclasses :class:`KVCacheManager` to share blocks by hash).
+Plugins replace or extend the manager through the ``mindie_host_kv_cache_manager``
+hook. A manager that shares blocks between sequences overrides :meth:`match_prefix`
+(a pure query), :meth:`acquire_prefix` (pins the shared blocks when the engine admits
+the sequence) and :meth:`on_computed` (keys newly written blocks), using only the
+public pool and :meth:`adopt`.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
+from .block_pool import BlockPool, RefCountedBlockPool
 from .sequence import SequenceView
 
 
 class KVCacheManager:
     """Allocates, frees and tracks KV blocks per sequence (no sharing).
 
-    Subclasses override :meth:`match_prefix`, :meth:`on_computed` and the block
-    pool methods to share blocks between sequences.
+    :ivar pool: the :class:`BlockPool` the blocks come from.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.pool: BlockPool = pool if pool is not None else RefCountedBlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
 
     # -- queries -------------------------------------------------------------
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free, or evictable by a subclass)."""
-        return len(self._free)
+        """Blocks that can be handed out now (free, or evictable cached ones)."""
+        return self.pool.num_free()
 
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one live sequence."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.pool.num_free()
 
     def block_table(self, seq: SequenceView) -> list[int]:
-        """The block ids holding ``seq``'s tokens, in order."""
-        return self._tables.get(seq.seq_id, [])
+        """The block ids holding ``seq``'s tokens, in order (a copy)."""
+        return list(self._tables.get(seq.seq_id, ()))
 
     def blocks_needed(self, seq: SequenceView, num_new_tokens: int) -> int:
         """How many new blocks ``seq`` needs to hold ``num_new_tokens`` more computed tokens."""
@@ -55,11 +57,21 @@ class KVCacheManager:
 
     # -- lifecycle -----------------------------------------------------------
     def match_prefix(self, seq: SequenceView) -> int:
-        """Called when a waiting sequence is admitted. Returns how many leading tokens
-        already have KV in the cache (a multiple of ``block_size``), after making the
-        sequence's block table reference those blocks. The default shares nothing."""
-        self._tables.setdefault(seq.seq_id, [])
+        """How many leading tokens of a waiting ``seq`` the cache could supply now (a multiple of
+        ``block_size``). A pure query: nothing is held; the default shares nothing."""
         return 0
+
+    def acquire_prefix(self, seq: SequenceView) -> int:
+        """Called when the engine admits ``seq``: hold the cached blocks :meth:`match_prefix` found
+        (they may have been evicted since) and put them at the head of its block table.
+
+        :return: how many leading tokens those blocks hold; the engine starts computing there.
+        """
+        return 0
+
+    def adopt(self, seq: SequenceView, block: int) -> None:
+        """Append ``block``, already held for ``seq`` (:meth:`BlockPool.pin`), to ``seq``'s table."""
+        self._tables.setdefault(seq.seq_id, []).append(block)
 
     def allocate(self, seq: SequenceView, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more tokens after ``seq.num_computed``.
@@ -72,22 +84,16 @@ class KVCacheManager:
             raise MemoryError(f"need {need} KV blocks, {self.num_free_blocks()} free")
         table = self._tables.setdefault(seq.seq_id, [])
         for _ in range(need):
-            table.append(self._take_block())
+            table.append(self.pool.allocate())
 
     def on_computed(self, seq: SequenceView) -> None:
         """Called after a step has written KV for ``seq`` up to ``seq.num_computed`` tokens."""
 
     def free(self, seq: SequenceView) -> None:
-        """Release every block of ``seq`` (finished, aborted or preempted)."""
+        """Release every block of ``seq`` (finished, aborted or preempted), last block first:
+        under pressure a shared prefix's tail is evicted before its head."""
         for block in reversed(self._tables.pop(seq.seq_id, [])):
-            self._release_block(block)
-
-    # -- block pool (overridable) --------------------------------------------
-    def _take_block(self) -> int:
-        return self._free.popleft()
-
-    def _release_block(self, block: int) -> None:
-        self._free.append(block)
+            self.pool.free(block)
 
     def stats(self) -> dict[str, float]:
         """Numbers for metrics: total, used and free blocks."""

@@ -52,6 +52,11 @@ class SchedulerState:
     memo: dict[str, Any] = field(default_factory=dict)
 
 
+def least_urgent(running: list[SequenceView]) -> SequenceView:
+    """The builtin preemption victim: highest ``priority`` number, then latest arrival."""
+    return max(running, key=lambda s: (s.priority, s.arrival_time))
+
+
 @dataclass
 class StepPlan:
     """Sequences to compute in one step, with the number of tokens for each.

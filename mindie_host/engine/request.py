@@ -98,22 +98,26 @@ class SamplingParams:
 class EngineRequest:
     """One generation request as the engine sees it, whatever protocol it came from.
 
-    ``prompt_token_ids`` is already tokenized. ``adapter`` names a LoRA adapter
-    (resolved by a request-parsing plugin) and ``cache_salt`` is folded into
+    ``prompt_token_ids`` is already tokenized. ``cache_salt`` is folded into
     prefix-cache block hashes so requests whose KV differs never share blocks.
+    ``variant`` selects a per-row model variant (``-1``: the base model): the
+    engine copies it into :attr:`ModelInput.row_variants` every step and the
+    backend's linear-delta provider (``mindie_host_linear_deltas``) reads it; a
+    plugin that sets it must also salt ``cache_salt``. ``extensions`` is opaque
+    per-request data owned by plugins (keyed by plugin name); the engine never reads it.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None
-    adapter: str | None = None
-    adapter_index: int = -1
+    variant: int = -1
     cache_salt: str | None = None
     priority: int = 3
     arrival_time: float = field(default_factory=time.monotonic)
     timeout: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
     #: Called by the engine thread to constrain the next token (e.g. JSON for tool calls).
     #: Receives the generated token ids so far, returns allowed token ids or None.
     logits_constraint: Any = None

@@ -36,7 +36,6 @@ class SequenceView(Protocol):
     priority: int
     arrival_time: float
     num_preemptions: int
-    adapter: str | None
     cache_salt: str | None
     max_new_tokens: int
     span_keys: list[tuple[int, int, bytes]] | None  # extra prefix-cache keys per token span (EngineRequest.span_keys)
@@ -68,7 +67,6 @@ class Sequence:
         self.priority = request.priority
         self.arrival_time = request.arrival_time
         self.num_preemptions = 0
-        self.adapter = request.adapter
         self.cache_salt = request.cache_salt
         self.span_keys = request.span_keys
         self.max_new_tokens = max_new_tokens
@@ -80,6 +78,7 @@ class Sequence:
         self.emitted_tokens = 0
         self.detok_state: Any = None
         self.generator: Any = None
+        self.seed: int | None = request.sampling.seed  # the seed sampling uses (drawn when the request has none)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -91,10 +90,10 @@ class Sequence:
         self.aborted = False
 
     @property
-    def adapter_index(self) -> int:
-        """The LoRA slot of this sequence (-1 = base). Read from the request each step, so a
-        plugin that binds a slot after the request was queued (``multi_lora``) is seen."""
-        return self.request.adapter_index
+    def variant(self) -> int:
+        """The model variant computing this sequence (-1 = base). Read from the request each step, so a
+        plugin that binds a variant after the request was queued is seen."""
+        return self.request.variant
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,7 @@ def calibrate(source: ModelSource, chunks: list[list[int]]) -> dict[str, Channel
         n = len(chunk)
         backend.execute(ModelInput(
             input_ids=chunk, positions=list(range(n)), query_lens=[n], context_lens=[n],
-            block_tables=[list(range(1, blocks + 1))], logits_indices=[n - 1], adapter_indices=[-1],
+            block_tables=[list(range(1, blocks + 1))], logits_indices=[n - 1], row_variants=[-1],
         ))
     assert backend.model is not None
     out: dict[str, ChannelStats] = {}

@@ -11,7 +11,7 @@ import torch
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
-from ..base import ModelBackend, ModelInfo, ModelInput
+from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
 from ..platform import Platform, select_platform
@@ -92,7 +92,7 @@ class TorchBackend(ModelBackend):
         self.model: TorchLlama | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        self.lora: Any = None
+        self.linear_deltas: LinearDeltas | None = None
 
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
@@ -158,24 +158,29 @@ class TorchBackend(ModelBackend):
     def execute(self, batch: ModelInput) -> torch.Tensor:
         assert self.model is not None
         meta = self.platform.prepare_step(self.model.build_metadata(batch, self.block_size), batch, self.block_size)
-        lora = self.lora if self.lora is not None and any(i >= 0 for i in batch.adapter_indices) else None
-        if lora is not None:
-            lora.prepare(batch)
-        return self.model.forward(batch, meta, self.kv_caches, lora)
+        return self.model.forward(batch, meta, self.kv_caches, self.step_deltas(batch))
 
-    def set_lora(self, runtime: Any) -> bool:
-        """Use ``runtime`` for every step that has a sequence on an adapter (see :meth:`ModelBackend.set_lora`).
+    def step_deltas(self, batch: ModelInput) -> LinearDeltas | None:
+        """The linear-delta provider, prepared for ``batch``, when a row of it runs a variant; else None."""
+        deltas = self.linear_deltas
+        if deltas is None or not any(i >= 0 for i in batch.row_variants):
+            return None
+        deltas.prepare(batch)
+        return deltas
+
+    def set_linear_deltas(self, provider: LinearDeltas | None) -> bool:
+        """Apply ``provider`` in every step that has a row on a variant (see :meth:`ModelBackend.set_linear_deltas`).
 
         Refused on a smoothed int8 checkpoint: its norms and projections were rescaled per
-        channel, so adapters made for the original weights would read rescaled inputs.
+        channel, so deltas made for the original weights would read rescaled inputs.
         """
-        if runtime is not None and smoothed_checkpoint(self.source):
+        if provider is not None and smoothed_checkpoint(self.source):
             raise RuntimeError(
-                f"LoRA adapters cannot run on {self.name!r}: it is a smoothed (anti-outlier) int8 checkpoint whose "
-                "norms and projections were rescaled per channel; serve the floating-point model with "
+                f"per-row linear deltas cannot run on {self.name!r}: it is a smoothed (anti-outlier) int8 checkpoint "
+                "whose norms and projections were rescaled per channel; serve the floating-point model with "
                 "quantization 'w8a8', or write the checkpoint with `mindie-host quantize --no-smooth`"
             )
-        self.lora = runtime
+        self.linear_deltas = provider
         return True
 
     #: decode steps of up to this many sequences run compiled when ``compile_decode`` is on (CPU)
@@ -192,7 +197,7 @@ class TorchBackend(ModelBackend):
             return
         batch = ModelInput(
             input_ids=[0, 1], positions=[0, 1], query_lens=[2], context_lens=[2],
-            block_tables=[[0]], logits_indices=[1], adapter_indices=[-1],
+            block_tables=[[0]], logits_indices=[1], row_variants=[-1],
         )
         self.execute(batch)
         graphs = self.model.graphs if self.model is not None else None
@@ -211,7 +216,7 @@ class TorchBackend(ModelBackend):
                 self.execute(ModelInput(
                     input_ids=[0] * seqs, positions=[4 + seqs] * seqs, query_lens=[1] * seqs,
                     context_lens=[5 + seqs] * seqs, block_tables=[[0]] * seqs, logits_indices=list(range(seqs)),
-                    adapter_indices=[-1] * seqs,
+                    row_variants=[-1] * seqs,
                 ))
         self.platform.synchronize()
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...models.rope import rope_of
 from ...models.weights import FourBitGroups, LlamaArch
-from ..base import ModelInput
+from ..base import LinearDeltas, ModelInput
 from ..int8 import Int8Matrix
 from ..platform import AttentionMetadata, Platform
 from .graphs import DecodeGraphs
@@ -225,7 +225,7 @@ class TorchLlama:
         batch: ModelInput,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora: object | None = None,
+        deltas: LinearDeltas | None = None,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -235,14 +235,15 @@ class TorchLlama:
         ``values`` (``[len(rows), hidden]``; e.g. image features at placeholder tokens); ``rope``
         gives every token's cos and sin ``[n, head_dim]`` (e.g. from :meth:`mrope_tables`) instead
         of the tables at ``batch.positions``. Both are for backends that extend this model; a
-        text-only step passes neither.
+        text-only step passes neither. ``deltas`` adds per-row deltas after the named projections
+        (:class:`~mindie_host.backends.base.LinearDeltas`) when a row runs a model variant.
         """
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         if rope is None:
             rope = self.dynamic_rope(batch)
-        # every sequence brings one token and no adapter: the steps graphs and torch.compile serve
-        plain_decode = (lora is None and rope is None and embeds is None and meta.max_query_len == 1
+        # every sequence brings one token on the base model: the steps graphs and torch.compile serve
+        plain_decode = (deltas is None and rope is None and embeds is None and meta.max_query_len == 1
                         and meta.pad_index is None and meta.attn_mask is not None)
         if (
             plain_decode
@@ -264,12 +265,12 @@ class TorchLlama:
             self.compiled_steps += 1
             hidden = self.compiled_decode(*args, kv_flat)
         else:
-            hidden = self.run(ids, pos, idx, meta, kv_caches, lora, rope, embeds)
+            hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
         return self.platform.linear(hidden, self.lm_head_linear).float()
 
     def compile_decode(self, max_seqs: int) -> None:
-        """Run decode steps of up to ``max_seqs`` sequences (no LoRA) through ``torch.compile``.
+        """Run decode steps of up to ``max_seqs`` sequences (base model only) through ``torch.compile``.
 
         Inductor fuses the small operators between the matrix products (norms, rotary,
         residual adds, SiLU) into a few generated kernels, which removes most of the
@@ -284,7 +285,7 @@ class TorchLlama:
     def enable_graphs(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_slot: int, max_seqs: int, max_context: int
     ) -> DecodeGraphs:
-        """Serve decode steps (no LoRA) from padded buckets, replayed as CUDA graphs on CUDA devices.
+        """Serve decode steps (base model only) from padded buckets, replayed as CUDA graphs on CUDA devices.
 
         ``kv_caches`` must stay where they are from now on (graphs hold their addresses);
         ``scratch_slot`` is a cache slot no sequence owns, where padded rows write.
@@ -332,7 +333,7 @@ class TorchLlama:
         idx: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora: object | None,
+        deltas: LinearDeltas | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -351,8 +352,8 @@ class TorchLlama:
         for li, layer in enumerate(self.layers):
             h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)
             qkv = plat.linear(h, layer.qkv, layer.qkv_bias)
-            if lora is not None:
-                qkv = lora.apply_qkv(li, h, qkv)  # type: ignore[attr-defined]
+            if deltas is not None:
+                qkv = deltas.apply("qkv", li, h, qkv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(n, arch.num_heads, arch.head_dim)
             k = k.view(n, arch.num_kv_heads, arch.head_dim)
@@ -362,17 +363,17 @@ class TorchLlama:
             plat.write_kv(k_cache, v_cache, k, v, meta)
             attn = plat.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(n, self.q_size)
             o = plat.linear(attn, layer.o_proj)
-            if lora is not None:
-                o = lora.apply_o(li, attn, o)  # type: ignore[attr-defined]
+            if deltas is not None:
+                o = deltas.apply("o", li, attn, o)
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
             gu = plat.linear(h, layer.gate_up)
-            if lora is not None:
-                gu = lora.apply_gate_up(li, h, gu)  # type: ignore[attr-defined]
+            if deltas is not None:
+                gu = deltas.apply("gate_up", li, h, gu)
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
             d = plat.linear(act, layer.down)
-            if lora is not None:
-                d = lora.apply_down(li, act, d)  # type: ignore[attr-defined]
+            if deltas is not None:
+                d = deltas.apply("down", li, act, d)
             x = x + d
         return plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)

@@ -79,7 +79,7 @@ class MsBackend(ModelBackend):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         assert self.model is not None and self.arch is not None
-        if any(i >= 0 for i in batch.adapter_indices):
+        if any(i >= 0 for i in batch.row_variants):
             raise RuntimeError("backendType 'ms' does not apply LoRA adapters; use backendType 'torch' for multi_lora")
         step = build_step(batch, self.block_size, self.model.num_slots, self.arch.num_kv_heads)
         return torch.from_numpy(self.model.forward(step))
@@ -88,7 +88,7 @@ class MsBackend(ModelBackend):
         if self.model is None or not self.model.kv_caches:
             return
         self.execute(ModelInput(input_ids=[0, 1], positions=[0, 1], query_lens=[2], context_lens=[2],
-                                block_tables=[[0]], logits_indices=[1], adapter_indices=[-1]))
+                                block_tables=[[0]], logits_indices=[1], row_variants=[-1]))
 
     def shutdown(self) -> None:
         if self.model is not None:

@@ -1,11 +1,15 @@
 """The ``multi_lora`` plugin: its hook implementations.
 
-* ``mindie_host_validate_config`` checks ``Plugins.multi_lora``.
-* ``mindie_host_startup`` reads ``lora_adapter.json`` (and ``Plugins.multi_lora.adapters``),
-  checks every adapter against the base model, builds the slot pools and hands
-  the runtime to the backend (:meth:`ModelBackend.set_lora`).
+* ``Params`` declares ``Plugins.multi_lora`` (the host validates it); ``State`` holds the
+  runtime and the adapter registry of one engine.
+* ``mindie_host_linear_deltas`` builds the slot pools (:class:`LoraRuntime`), which the
+  host hands to the backend: the core's generic per-row linear-delta seam.
+* ``mindie_host_startup`` reads ``lora_adapter.json`` (and ``Plugins.multi_lora.adapters``)
+  and checks every adapter against the base model.
 * ``mindie_host_refine_request`` maps ``model`` / ``adapter_id`` to an adapter
-  (404 for an unknown one), and sets ``adapter``, ``adapter_index`` and ``cache_salt``.
+  (404 for an unknown one), and sets the request's ``variant`` (its slot),
+  ``extensions["multi_lora"]`` (the adapter name) and ``cache_salt``.
+* ``mindie_host_served_models`` lists the adapters beside the base model (``/v1/models``).
 * ``mindie_host_filter_waiting`` binds waiting requests to resident slots
   (loading a non-resident adapter when a slot frees); ``mindie_host_request_finished``
   unbinds them.
@@ -19,157 +23,139 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from mindie_host import hookimpl
-from mindie_host.api import EngineRequest, RequestError, SequenceView
+from mindie_host.api import (
+    BackendContext,
+    EngineRequest,
+    LifecycleContext,
+    LinearDeltas,
+    ModelConfig,
+    ModelInfo,
+    RequestContext,
+    RequestError,
+    SchedulingContext,
+    SequenceView,
+    hookimpl,
+)
+from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 
 from .adapters import NAME_PATTERN, NAME_RULE, AdapterError, ModelDims, load_adapter, read_adapter_list
 from .registry import AdapterRegistry
 from .runtime import KERNELS, LoraRuntime
 
-log = logging.getLogger("mindie_plugin_multi_lora")
-
 NAME = "multi_lora"
 
-#: ``Plugins.multi_lora`` keys: name -> (default, checker, allowed text).
-DEFAULTS: dict[str, Any] = {
-    "maxLoras": 8,
-    "maxLoraRank": 16,
-    "adapters": {},
-    "kernel": "auto",
-    "unloadTimeoutS": 60.0,
-    "runtimeUpdates": True,
-    "runtimeAdapterDir": "",
-}
+class Params(BaseModel):
+    """``Plugins.multi_lora``: slot pools, the adapters to load at startup, runtime loading."""
 
-#: Registries of the hosts running in this process (one per Host).
-_REGISTRIES: list[AdapterRegistry] = []
+    #: adapters resident at once (the slot pools' size)
+    maxLoras: StrictInt = Field(default=8, ge=1, le=256)
+    #: the largest rank a slot holds
+    maxLoraRank: StrictInt = Field(default=16, ge=1, le=512)
+    #: adapters to load at startup, name -> PEFT directory (besides ``lora_adapter.json``)
+    adapters: dict[str, str] = Field(default_factory=dict)
+    #: the kernel: ``auto``, or one of the runtime's kernels
+    kernel: Literal[KERNELS] = "auto"  # type: ignore[valid-type]
+    #: how long an unload waits for the adapter's requests, in seconds
+    unloadTimeoutS: float = Field(default=60.0, gt=0, le=3600)
+    #: allow the load/unload routes at all
+    runtimeUpdates: StrictBool = True
+    #: the directory runtime loads may read from ("" = runtime loading off)
+    runtimeAdapterDir: str = ""
 
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        if not all(NAME_PATTERN.match(k) and v for k, v in value.items()):
+            raise ValueError(f'a JSON object {{"name": "path"}}; names are {NAME_RULE}, paths non-empty strings')
+        return value
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def plugin_settings(config: Any) -> dict[str, Any]:
-    """``Plugins.multi_lora`` merged over the defaults (unchecked)."""
-    section = (getattr(config, "Plugins", None) or {}).get(NAME) or {}
-    return {**DEFAULTS, **section} if isinstance(section, dict) else dict(DEFAULTS)
-
-
-def check_settings(config: Any) -> list[str]:
-    """Error messages for ``Plugins.multi_lora`` (each names the key, the value and the allowed range)."""
-    section = (getattr(config, "Plugins", None) or {}).get(NAME)
-    if section is None:
-        return []
-    if not isinstance(section, dict):
-        return [f"Plugins.multi_lora: got {section!r}; allowed a JSON object"]
-    errors: list[str] = []
-    s = {**DEFAULTS, **section}
-
-    def bad(key: str, allowed: str) -> None:
-        errors.append(f"Plugins.multi_lora.{key}: got {s[key]!r}; allowed {allowed}")
-
-    if not (_is_int(s["maxLoras"]) and 1 <= s["maxLoras"] <= 256):
-        bad("maxLoras", "an integer in [1, 256]")
-    if not (_is_int(s["maxLoraRank"]) and 1 <= s["maxLoraRank"] <= 512):
-        bad("maxLoraRank", "an integer in [1, 512]")
-    if s["kernel"] not in KERNELS:
-        bad("kernel", "one of " + ", ".join(repr(k) for k in KERNELS))
-    t = s["unloadTimeoutS"]
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 3600):
-        bad("unloadTimeoutS", "a number in (0, 3600]")
-    if not isinstance(s["runtimeUpdates"], bool):
-        bad("runtimeUpdates", "true or false")
-    root = s["runtimeAdapterDir"]
-    if not isinstance(root, str) or (root and not Path(root).expanduser().is_dir()):
-        bad("runtimeAdapterDir", '"" (runtime loading off) or an existing directory')
-    adapters = s["adapters"]
-    if not isinstance(adapters, dict) or not all(
-        isinstance(k, str) and NAME_PATTERN.match(k) and isinstance(v, str) and v for k, v in adapters.items()
-    ):
-        bad("adapters", f'a JSON object {{"name": "path"}}; names are {NAME_RULE}, paths non-empty strings')
-    unknown = sorted(set(section) - set(DEFAULTS))
-    if unknown:
-        log.warning("Plugins.multi_lora: unknown keys %s ignored (known: %s)", unknown, ", ".join(DEFAULTS))
-    return errors
+    @field_validator("runtimeAdapterDir")
+    @classmethod
+    def _existing_dir(cls, value: str) -> str:
+        if value and not Path(value).expanduser().is_dir():
+            raise ValueError('"" (runtime loading off) or an existing directory')
+        return value
 
 
-def _registry(host: Any) -> AdapterRegistry | None:
-    return host.state.get(NAME)
+class State:
+    """One engine's LoRA runtime (the slot pools) and adapter registry."""
+
+    def __init__(self) -> None:
+        self.runtime: LoraRuntime | None = None
+        self.registry: AdapterRegistry | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# lifecycle
-# ---------------------------------------------------------------------------------------------
-@hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str] | None:
-    """Check ``Plugins.multi_lora`` when this plugin is enabled for ``model_config``."""
-    if NAME not in getattr(model_config, "plugins", []):
-        return None
-    return check_settings(config)
-
-
-def _adapter_sources(host: Any, settings: dict[str, Any]) -> dict[str, str]:
+def _adapter_sources(model_config: ModelConfig, params: Params) -> dict[str, str]:
     sources: dict[str, str] = {}
-    weight_path = host.model_config.modelWeightPath
+    weight_path = model_config.modelWeightPath
     if weight_path:
         p = Path(weight_path).expanduser()
         sources.update(read_adapter_list(p if p.is_dir() else p.parent))
-    sources.update(settings["adapters"])
+    sources.update(params.adapters)
     return sources
 
 
 @hookimpl
-def mindie_host_startup(host: Any) -> None:
-    """Load and check every listed adapter, build the pools, attach the runtime to the backend."""
-    if NAME not in host.model_config.plugins:
-        return
-    settings = plugin_settings(host.config)
-    info = host.info
-    dims = ModelDims.from_info(info)
+def mindie_host_linear_deltas(ctx: BackendContext, info: ModelInfo) -> LinearDeltas | None:
+    """The slot pools that add each row's adapter delta to the named projections."""
+    if NAME not in ctx.model.plugins:
+        return None
+    p: Params = ctx.params
     device = torch.device("cuda") if str(info.device).startswith("cuda") else torch.device("cpu")
     dtype = getattr(torch, str(info.dtype), torch.float32)
-    runtime = LoraRuntime(dims, settings["maxLoras"], settings["maxLoraRank"], device=device, dtype=dtype,
-                          kernel=settings["kernel"])
-    if host.backend is None or not host.backend.set_lora(runtime):
+    ctx.state.runtime = LoraRuntime(ModelDims.from_info(info), p.maxLoras, p.maxLoraRank, device=device,
+                                    dtype=dtype, kernel=p.kernel)
+    return ctx.state.runtime
+
+
+@hookimpl
+def mindie_host_startup(ctx: LifecycleContext) -> None:
+    """Load and check every listed adapter into the registry over the runtime's slots."""
+    host = ctx.host
+    if host is None or NAME not in ctx.model.plugins:
+        return
+    runtime = ctx.state.runtime
+    if runtime is None:
         raise RuntimeError(
-            f"plugin multi_lora: backendType {host.model_config.backendType!r} does not apply LoRA runtimes "
-            "(ModelBackend.set_lora returned False)"
+            "plugin multi_lora: the model runs in another process (ServerConfig.engineProcess), where its slot "
+            "pools live; set engineProcess to false to serve LoRA adapters"
         )
-    registry = AdapterRegistry(runtime, host.adapters)
-    for name, path in _adapter_sources(host, settings).items():
+    registry = AdapterRegistry(runtime)
+    for name, path in _adapter_sources(ctx.model, ctx.params).items():
         if name == host.model_name:
             raise AdapterError(name, "name", "an adapter may not take the base model's name")
-        registry.add(load_adapter(name, path, dims, settings["maxLoraRank"]))
+        registry.add(load_adapter(name, path, ModelDims.from_info(host.info), ctx.params.maxLoraRank))
     registry.preload()
-    host.state[NAME] = registry
-    _REGISTRIES.append(registry)
-    log.info(
+    ctx.state.registry = registry
+    ctx.log.info(
         "multi_lora: %d adapters known, %d slots of rank %d (%.1f MiB of pools), kernel %s",
         len(registry.entries), runtime.slots, runtime.rank, runtime.pool_bytes() / 2**20, runtime.kernel,
     )
 
 
 @hookimpl
-def mindie_host_shutdown(host: Any) -> None:
-    registry = host.state.pop(NAME, None)
-    if registry in _REGISTRIES:
-        _REGISTRIES.remove(registry)
-    if host.backend is not None and registry is not None:
-        host.backend.set_lora(None)
+def mindie_host_shutdown(ctx: LifecycleContext) -> None:
+    ctx.state.registry = None
 
 
 @hookimpl
-def mindie_host_metrics(host: Any) -> dict[str, float] | None:
-    registry = _registry(host)
+def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
+    registry = ctx.state.registry
     return registry.metrics() if registry is not None else None
+
+
+@hookimpl
+def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
+    """Every known adapter, listed by ``/v1/models`` after the base model."""
+    registry = ctx.state.registry
+    return list(registry.entries) if registry is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +183,9 @@ def _is_base(host: Any, model: str) -> bool:
         return False
 
 
-def select_adapter(host: Any, body: dict[str, Any], protocol: str) -> tuple[str, str] | None:
+def select_adapter(
+    host: Any, registry: AdapterRegistry | None, body: dict[str, Any], protocol: str
+) -> tuple[str, str] | None:
     """(adapter name, field) the request selects, or None for the base model; raises RequestError."""
     found = _adapter_id(body, protocol)
     chosen: tuple[str, str] | None = None
@@ -209,7 +197,6 @@ def select_adapter(host: Any, body: dict[str, Any], protocol: str) -> tuple[str,
             chosen = (value, field)
     model = body.get("model") if protocol in ("openai", "vllm") else None
     if isinstance(model, str) and model and model != "None" and not _is_base(host, model):
-        registry = _registry(host)
         known = registry is not None and model in registry.entries  # unloading ones too: they 404 below
         if protocol == "vllm" or known:
             if chosen is not None and chosen[0] != model:
@@ -221,12 +208,13 @@ def select_adapter(host: Any, body: dict[str, Any], protocol: str) -> tuple[str,
 
 
 @hookimpl
-def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Any) -> None:
-    """Resolve the adapter; set ``adapter``, ``adapter_index`` (current slot) and ``cache_salt``."""
-    registry = _registry(host)
+def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any],
+                               protocol: str) -> None:
+    """Resolve the adapter; set ``extensions["multi_lora"]``, ``variant`` (current slot) and ``cache_salt``."""
+    registry = ctx.state.registry
     if registry is None:
         return
-    chosen = select_adapter(host, body, protocol)
+    chosen = select_adapter(ctx.host, registry, body, protocol)
     if chosen is None:
         return
     name, field = chosen
@@ -234,8 +222,8 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
     if entry is None:
         known = ", ".join(sorted(registry.entries)) or "none"
         raise RequestError(f"LoRA adapter {name!r} not found (loaded: {known})", status=404, field=field)
-    request.adapter = name
-    request.adapter_index = entry.slot
+    request.extensions[NAME] = name
+    request.variant = entry.slot
     salt = {"lora": entry.salt}
     if request.cache_salt is not None:
         salt["salt"] = request.cache_salt
@@ -247,28 +235,20 @@ def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], pro
 # engine
 # ---------------------------------------------------------------------------------------------
 @hookimpl
-def mindie_host_filter_waiting(waiting: list[SequenceView]) -> list[SequenceView] | None:
+def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
     """Bind waiting adapter requests to resident slots; hold back those with no slot to get."""
-    registries = list(_REGISTRIES)
-    if not registries:
+    registry: AdapterRegistry | None = ctx.state.registry
+    if registry is None:
         return None
-    allowed: list[SequenceView] = []
-    for seq in waiting:
-        owner = next((r for r in registries if r.owns(seq.request_id)), None)
-        if owner is None or owner.bind(seq.request_id):
-            allowed.append(seq)
-    return allowed
+    return [seq for seq in waiting if not registry.owns(seq.request_id) or registry.bind(seq.request_id)]
 
 
 @hookimpl
-def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
+def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
     """Release the request's slot binding."""
-    if request.adapter is None:
-        return
-    for registry in list(_REGISTRIES):
-        if registry.owns(request.request_id):
-            registry.finished(request.request_id)
-            return
+    registry: AdapterRegistry | None = ctx.state.registry
+    if NAME in request.extensions and registry is not None and registry.owns(request.request_id):
+        registry.finished(request.request_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,11 +259,8 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 async def _body(request: Request, host: Any) -> dict[str, Any]:
-    """The JSON object body, capped at ``maxRequestBodyBytes``."""
-    limit = host.config.server.maxRequestBodyBytes
+    """The JSON object body (the host caps it at ``maxRequestBodyBytes`` before any route runs)."""
     raw = await request.body()
-    if len(raw) > limit:
-        raise RequestError(f"request body of {len(raw)} bytes exceeds the {limit}-byte limit", status=413, field="body")
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -336,37 +313,39 @@ def runtime_adapter_path(root: str, lora_path: str) -> Path:
     return candidate
 
 
-def _ready_registry(host: Any) -> AdapterRegistry:
-    registry = _registry(host)
+def _ready_registry(state: State) -> AdapterRegistry:
+    registry = state.registry
     if registry is None:
         raise RequestError("multi_lora is not running (model still loading or plugin not enabled)", status=503)
     return registry
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Any, plane: str) -> None:
+def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, plane: str) -> None:
     """Runtime adapter management on the management plane."""
-    if plane != "management" or NAME not in host.model_config.plugins:
+    host = ctx.host
+    if plane != "management" or NAME not in ctx.model.plugins or host is None:
         return
-    settings = plugin_settings(host.config)
+    settings: Params = ctx.params
+    state: State = ctx.state
 
     def check_updates() -> None:
-        if not settings["runtimeUpdates"]:
+        if not settings.runtimeUpdates:
             raise RequestError("runtime adapter updates are disabled (Plugins.multi_lora.runtimeUpdates)", status=403)
 
     @app.get("/v1/lora_adapters")
     async def list_adapters() -> Response:
-        registry = _ready_registry(host)
+        registry = _ready_registry(state)
         return _json({"adapters": registry.describe(), "slots": registry.runtime.slots,
                       "max_rank": registry.runtime.rank})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
         check_updates()
-        registry = _ready_registry(host)
+        registry = _ready_registry(state)
         body = await _body(request, host)
         name = _string(body, "lora_name")
-        path = runtime_adapter_path(settings["runtimeAdapterDir"], _string(body, "lora_path"))
+        path = runtime_adapter_path(settings.runtimeAdapterDir, _string(body, "lora_path"))
         if not NAME_PATTERN.match(name):
             raise RequestError(f"lora_name must be {NAME_RULE}", field="lora_name")
         if name == host.model_name or name in registry.entries:
@@ -380,27 +359,27 @@ def mindie_host_add_routes(app: FastAPI, host: Any, plane: str) -> None:
             registry.add(adapter)
         except KeyError as exc:
             raise RequestError(f"LoRA adapter {name!r} is already loaded", status=409, field="lora_name") from exc
-        log.info("multi_lora: loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
+        ctx.log.info("multi_lora: loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
         return _json({"status": "loaded", "lora_name": name, "rank": adapter.rank, "modules": adapter.modules})
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
         check_updates()
-        registry = _ready_registry(host)
+        registry = _ready_registry(state)
         body = await _body(request, host)
         name = _string(body, "lora_name")
         if registry.begin_unload(name) is None:
             raise RequestError(f"LoRA adapter {name!r} not found", status=404, field="lora_name")
-        deadline = time.monotonic() + float(settings["unloadTimeoutS"])
+        deadline = time.monotonic() + settings.unloadTimeoutS
         while not registry.remove(name):
             if time.monotonic() > deadline:
                 busy = registry.inflight(name)
                 registry.cancel_unload(name)
                 raise RequestError(
                     f"LoRA adapter {name!r} still has {busy} requests in flight after "
-                    f"{settings['unloadTimeoutS']} s; it stays loaded",
+                    f"{settings.unloadTimeoutS} s; it stays loaded",
                     status=409, field="lora_name",
                 )
             await asyncio.sleep(0.02)
-        log.info("multi_lora: unloaded adapter %s", name)
+        ctx.log.info("multi_lora: unloaded adapter %s", name)
         return _json({"status": "unloaded", "lora_name": name})

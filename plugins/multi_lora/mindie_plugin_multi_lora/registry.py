@@ -55,9 +55,9 @@ class _Tracked:
 class AdapterRegistry:
     """Known adapters, slot residency (LRU over unpinned slots) and per-request bindings. Thread-safe."""
 
-    def __init__(self, runtime: LoraRuntime, served: dict[str, int]) -> None:
+    def __init__(self, runtime: LoraRuntime) -> None:
         self.runtime = runtime
-        self.served = served  # host.adapters: name -> slot (-1 = not resident), listed in /v1/models
+        self.served: dict[str, int] = {}  # name -> slot (-1 = not resident)
         self.lock = threading.RLock()
         self.entries: dict[str, AdapterEntry] = {}
         self.slot_owner: list[str | None] = [None] * runtime.slots
@@ -169,7 +169,7 @@ class AdapterRegistry:
                 self._place(entry, slot)
             entry.pins += 1
             t.bound = True
-            t.request.adapter_index = entry.slot
+            t.request.variant = entry.slot
             return True
 
     def finished(self, request_id: str) -> None:

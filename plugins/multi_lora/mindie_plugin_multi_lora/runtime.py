@@ -126,7 +126,7 @@ class LoraRuntime:
     # -- per step ------------------------------------------------------------------------------
     def prepare(self, batch: object) -> None:
         """Build the per-token slot selection for one step (``batch`` is a ``ModelInput``)."""
-        seq_slots: list[int] = list(batch.adapter_indices)  # type: ignore[attr-defined]
+        seq_slots: list[int] = list(batch.row_variants)  # type: ignore[attr-defined]
         q_lens: list[int] = list(batch.query_lens)  # type: ignore[attr-defined]
         n = sum(q_lens)
         runs: list[tuple[int, int, int]] = []
@@ -261,21 +261,10 @@ class LoraRuntime:
                 off += size
         return out
 
-    def apply_qkv(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Add each token's q/k/v deltas to the fused ``[n, q+k+v]`` projection."""
-        return self._apply("qkv", layer, x, out)
-
-    def apply_o(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Add each token's o_proj delta."""
-        return self._apply("o", layer, x, out)
-
-    def apply_gate_up(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Add each token's gate/up deltas to the fused ``[n, 2*inter]`` projection."""
-        return self._apply("gate_up", layer, x, out)
-
-    def apply_down(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Add each token's down_proj delta."""
-        return self._apply("down", layer, x, out)
-
+    def apply(self, name: str, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus each token's adapter delta for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``,
+        ``"down"``: the core's :class:`~mindie_host.api.LinearDeltas` seam); fused projections get every
+        member's delta."""
+        return self._apply(name, layer, x, out)
 
 assert all(m in MODULES for ms in GROUPS.values() for m in ms)

@@ -58,21 +58,20 @@ def test_kernels_match_per_token_reference(kernel: str, slots: int) -> None:
     batch = ModelInput(
         input_ids=[0] * sum(q for _, q in seqs), positions=[0] * sum(q for _, q in seqs),
         query_lens=[q for _, q in seqs], context_lens=[q for _, q in seqs], block_tables=[[0]] * len(seqs),
-        logits_indices=[0], adapter_indices=[slot_of[a.name] if a else -1 for a, _ in seqs],
+        logits_indices=[0], row_variants=[slot_of[a.name] if a else -1 for a, _ in seqs],
     )
     token_adapters = [a for a, q in seqs for _ in range(q)]
     rt.prepare(batch)
     n = len(token_adapters)
     g = torch.Generator().manual_seed(9)
     for layer in range(DIMS.num_layers):
-        for group, fn in (("qkv", rt.apply_qkv), ("o", rt.apply_o), ("gate_up", rt.apply_gate_up),
-                          ("down", rt.apply_down)):
+        for group in ("qkv", "o", "gate_up", "down"):
             fin = DIMS.features(GROUPS[group][0])[0]
             width = sum(DIMS.features(m)[1] for m in GROUPS[group])
             x = torch.randn(n, fin, generator=g)
             out = torch.randn(n, width, generator=g)
             want = reference(group, layer, x, out, token_adapters)
-            got = fn(layer, x, out.clone())
+            got = rt.apply(group, layer, x, out.clone())
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert rt.max_kinds_in_step == 4  # three adapters and the base model in one step
 
@@ -82,12 +81,12 @@ def test_single_adapter_batch_and_cleared_slot() -> None:
     rt = LoraRuntime(DIMS, 4, 8, kernel="masked")
     rt.write_slot(2, ad)
     batch = ModelInput(input_ids=[0, 0, 0], positions=[0, 1, 2], query_lens=[3], context_lens=[3],
-                       block_tables=[[0]], logits_indices=[2], adapter_indices=[2])
+                       block_tables=[[0]], logits_indices=[2], row_variants=[2])
     rt.prepare(batch)
     x = torch.randn(3, DIMS.hidden)
     out = torch.zeros(3, DIMS.q + 2 * DIMS.kv)
     want = reference("qkv", 1, x, out, [ad] * 3)
-    torch.testing.assert_close(rt.apply_qkv(1, x, out.clone()), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rt.apply("qkv", 1, x, out.clone()), want, rtol=1e-4, atol=1e-4)
     rt.clear_slot(2)
     rt.prepare(batch)
-    torch.testing.assert_close(rt.apply_qkv(1, x, out.clone()), out)
+    torch.testing.assert_close(rt.apply("qkv", 1, x, out.clone()), out)

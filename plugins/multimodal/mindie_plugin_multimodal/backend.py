@@ -62,10 +62,7 @@ class MultimodalTorchBackend(TorchBackend):
         embeds = self._embeds(prefill)
         rope = self._mrope(batch) if self.spec.mrope_section is not None else None
         meta = self.platform.prepare_step(self.model.build_metadata(batch, self.block_size), batch, self.block_size)
-        lora = self.lora if self.lora is not None and any(i >= 0 for i in batch.adapter_indices) else None
-        if lora is not None:
-            lora.prepare(batch)
-        return self.model.forward(batch, meta, self.kv_caches, lora, embeds=embeds, rope=rope)
+        return self.model.forward(batch, meta, self.kv_caches, self.step_deltas(batch), embeds=embeds, rope=rope)
 
     def _shift_positions(self, batch: ModelInput) -> ModelInput:
         """Decode of M-RoPE sequences: every axis of a generated token sits at ``position + delta``."""

@@ -20,28 +20,31 @@ useful to bound the memory the cache may hold, and to test eviction.
 
 from __future__ import annotations
 
-import logging
-import weakref
 from typing import Any
 
-from mindie_host import hookimpl
-from mindie_host.api import KVCacheManager
+from pydantic import BaseModel, Field, StrictInt
+
+from mindie_host.api import KVCacheManager, KVContext, LifecycleContext, ModelConfig, hookimpl
 
 from .manager import PrefixCachingKVCacheManager, block_key
 
 __all__ = ["PLUGIN_NAME", "PrefixCachingKVCacheManager", "block_key", "is_enabled"]
 
 PLUGIN_NAME = "prefix_cache"
-log = logging.getLogger("mindie_host.plugins.prefix_cache")
-
-#: the manager built for each live config (keyed by ``id(config)``), for the metrics hook
-_managers: weakref.WeakValueDictionary[int, PrefixCachingKVCacheManager] = weakref.WeakValueDictionary()
 
 
-def _options(config: Any) -> dict[str, Any]:
-    section = getattr(config, "Plugins", {}) or {}
-    opts = section.get(PLUGIN_NAME, {})
-    return opts if isinstance(opts, dict) else {}
+class Params(BaseModel):
+    """``Plugins.prefix_cache``."""
+
+    #: cap on the KV pool, in blocks (0: every block the memory budget allows)
+    numBlocks: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class State:
+    """The manager this plugin built for the engine (read by the metrics hook)."""
+
+    def __init__(self) -> None:
+        self.manager: PrefixCachingKVCacheManager | None = None
 
 
 def is_enabled(config: Any) -> bool:
@@ -50,53 +53,44 @@ def is_enabled(config: Any) -> bool:
 
 
 @hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
-    """Both switches must be on; ``Plugins.prefix_cache`` must hold only known, valid keys."""
+def mindie_host_validate_config(ctx: LifecycleContext, model_config: ModelConfig) -> list[str]:
+    """Both switches must be on; ``numBlocks`` must hold one sequence of ``maxSeqLen``."""
     if PLUGIN_NAME not in model_config.plugins:
         return []
-    errors: list[str] = []
+    config, errors = ctx.config, []
     if not config.schedule.enablePrefixCache:
         errors.append(
             "BackendConfig.ScheduleConfig.enablePrefixCache is false but ModelConfig.plugin_params enables "
             "'prefix_cache'; set enablePrefixCache to true (MindIE needs both to turn Prefix Cache on) "
             "or remove prefix_cache from plugin_type"
         )
-    section = getattr(config, "Plugins", {}).get(PLUGIN_NAME, {})
-    if not isinstance(section, dict):
-        return [*errors, f"Plugins.prefix_cache must be a JSON object, got {section!r}"]
-    for key in section:
-        if key != "numBlocks":
-            errors.append(f"Plugins.prefix_cache.{key} is not a known key (allowed: numBlocks)")
-    if "numBlocks" in section:
-        value = section["numBlocks"]
-        lo = -(-config.deploy.maxSeqLen // config.schedule.cacheBlockSize)
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= 2**31 - 1:
-            errors.append(
-                f"Plugins.prefix_cache.numBlocks is {value!r}; allowed: an integer in [{lo}, {2**31 - 1}] "
-                f"(at least enough blocks of cacheBlockSize={config.schedule.cacheBlockSize} for one sequence "
-                f"of maxSeqLen={config.deploy.maxSeqLen})"
-            )
+    value = ctx.params.numBlocks
+    lo = -(-config.deploy.maxSeqLen // config.schedule.cacheBlockSize)
+    if value and value < lo:
+        errors.append(
+            f"Plugins.prefix_cache.numBlocks is {value!r}; allowed: an integer in [{lo}, {2**31 - 1}] "
+            f"(at least enough blocks of cacheBlockSize={config.schedule.cacheBlockSize} for one sequence "
+            f"of maxSeqLen={config.deploy.maxSeqLen})"
+        )
     return errors
 
 
 @hookimpl
-def mindie_host_kv_cache_manager(num_blocks: int, block_size: int, config: Any) -> KVCacheManager | None:
+def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int) -> KVCacheManager | None:
     """The prefix-sharing manager when the feature is on; ``None`` (the builtin) otherwise."""
-    if not is_enabled(config):
+    if not is_enabled(ctx.config):
         return None
-    cap = _options(config).get("numBlocks")
-    if isinstance(cap, int) and not isinstance(cap, bool) and 0 < cap < num_blocks:
-        num_blocks = cap
-    manager = PrefixCachingKVCacheManager(num_blocks, block_size)
-    _managers[id(config)] = manager
-    log.info("prefix cache on: %d blocks of %d tokens", num_blocks, block_size)
+    if 0 < ctx.params.numBlocks < num_blocks:
+        num_blocks = ctx.params.numBlocks
+    manager = ctx.state.manager = PrefixCachingKVCacheManager(num_blocks, block_size)
+    ctx.log.info("prefix cache on: %d blocks of %d tokens", num_blocks, block_size)
     return manager
 
 
 @hookimpl
-def mindie_host_metrics(host: Any) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
     """``npu_prefix_cache_hit_rate``: cached blocks found / prompt blocks looked up, since startup."""
-    manager = _managers.get(id(host.config))
+    manager = ctx.state.manager
     if manager is None:
         return None
     return {"npu_prefix_cache_hit_rate": manager.counters.hit_rate}

@@ -1,8 +1,9 @@
 """A KV-cache manager that shares whole blocks of identical prefixes between sequences.
 
 Every *full* block of a sequence gets a key: a hash chained over the parent
-block's key, the block's token ids, the sequence's LoRA adapter and its
-``cache_salt`` (anything that changes the KV of those tokens). A new sequence
+block's key, the block's token ids and the sequence's ``cache_salt`` (anything
+else that changes the KV of those tokens: a tenant salt, a model variant such as
+a LoRA adapter, whose plugin salts its requests). A new sequence
 walks its own chain of keys and reuses every leading block already in the
 cache, so its prefill starts after the shared prefix.
 
@@ -17,32 +18,29 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from mindie_host.api import KVCacheManager, SequenceView
+from mindie_host.api import BlockPool, KVCacheManager, SequenceView
 
 #: key of the (virtual) parent of a sequence's first block
 ROOT_KEY = b"\x00" * 16
 
 
-def block_key(
-    parent: bytes, tokens: list[int] | tuple[int, ...], adapter: str | None, salt: str | None, extra: bytes = b""
-) -> bytes:
+def block_key(parent: bytes, tokens: list[int] | tuple[int, ...], salt: str | None, extra: bytes = b"") -> bytes:
     """The 16-byte chained key of one full block.
 
-    ``adapter`` and ``salt`` are folded in with a length prefix so that
-    ``(None, "x")`` and ``("x", None)`` never collide. ``extra`` holds the keys of the
-    token spans overlapping the block (:func:`span_extra`), e.g. an image's content hash.
+    ``salt`` (the request's ``cache_salt``: a tenant's salt, or what a model-variant
+    plugin such as ``multi_lora`` adds) is folded in with a length prefix, so that
+    ``None`` and ``""`` never collide. ``extra`` holds the keys of the token spans
+    overlapping the block (:func:`span_extra`), e.g. an image's content hash.
     """
     h = hashlib.blake2b(parent, digest_size=16)
-    for part in (adapter, salt):
-        if part is None:
-            h.update(b"\xff")
-        else:
-            raw = part.encode()
-            h.update(struct.pack("<I", len(raw)))
-            h.update(raw)
+    if salt is None:
+        h.update(b"\xff")
+    else:
+        raw = salt.encode()
+        h.update(struct.pack("<I", len(raw)))
+        h.update(raw)
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     if extra:
         h.update(extra)
@@ -66,13 +64,18 @@ def span_extra(spans: list[tuple[int, int, bytes]] | None, start: int, end: int)
 
 @dataclass
 class PrefixCacheStats:
-    """Lookup counters behind ``npu_prefix_cache_hit_rate``."""
+    """Lookup counters behind ``npu_prefix_cache_hit_rate`` (counted when a sequence is admitted)."""
 
+    pool: BlockPool
     queried_blocks: int = 0
     hit_blocks: int = 0
     queried_tokens: int = 0
     hit_tokens: int = 0
-    evictions: int = 0
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks handed out again for new KV since startup."""
+        return self.pool.evictions
 
     @property
     def hit_rate(self) -> float:
@@ -81,128 +84,89 @@ class PrefixCacheStats:
 
 
 class PrefixCachingKVCacheManager(KVCacheManager):
-    """:class:`~mindie_host.api.KVCacheManager` with block sharing by chained hash and LRU eviction."""
+    """:class:`~mindie_host.api.KVCacheManager` with block sharing by chained hash and LRU eviction.
+
+    Built on the public block pool only: :meth:`match_prefix` walks the sequence's chain of
+    keys with ``pool.lookup`` (a pure query), :meth:`acquire_prefix` pins the blocks it finds
+    when the engine admits the sequence, and :meth:`on_computed` keys each newly completed
+    block with ``pool.register``. Cached blocks nobody holds stay in the pool's LRU list of
+    evictable blocks until a new block is needed.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
-        self._refs: list[int] = [0] * num_blocks
-        self._key_of: dict[int, bytes] = {}  # block id -> key, for cached blocks
-        self._block_of: dict[bytes, int] = {}  # key -> block id
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 cached blocks, LRU first
-        self._chain: dict[int, list[bytes]] = {}  # seq id -> keys of its leading full, registered blocks
-        self.counters = PrefixCacheStats()
-
-    # -- queries -------------------------------------------------------------
-    def num_free_blocks(self) -> int:
-        """Free blocks plus cached blocks nobody references (evicted on demand)."""
-        return len(self._free) + len(self._evictable)
-
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks()
+        self._chain: dict[int, list[bytes]] = {}  # seq id -> keys of its leading full blocks
+        self.counters = PrefixCacheStats(self.pool)
 
     def num_cached_blocks(self) -> int:
         """Blocks that currently hold a reusable, keyed prefix block (referenced or not)."""
-        return len(self._key_of)
+        return self.pool.num_cached()
 
-    # -- lifecycle -----------------------------------------------------------
-    def match_prefix(self, seq: SequenceView) -> int:
-        """Reference the longest run of cached leading blocks of ``seq``; return its token count.
+    def _keys(self, seq: SequenceView, start: int, end: int, parent: bytes) -> list[bytes]:
+        """The chained keys of ``seq``'s full blocks ``start`` .. ``end - 1``."""
+        bs, keys = self.block_size, []
+        spans = getattr(seq, "span_keys", None)
+        for i in range(start, end):
+            parent = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt,
+                               span_extra(spans, i * bs, (i + 1) * bs))
+            keys.append(parent)
+        return keys
 
-        At least one token is always left to compute (the step that computes it
-        produces the logits for the next token), so a prompt that is entirely
-        cached reuses all but its last block.
+    def _cached_run(self, seq: SequenceView) -> list[int]:
+        """The blocks holding ``seq``'s longest cached run of leading blocks (nothing held).
+
+        At least one token is always left to compute (the step that computes it produces
+        the logits for the next token), so a prompt entirely cached reuses all but its last block.
         """
-        bs = self.block_size
-        tokens = seq.token_ids
-        table = self._tables.setdefault(seq.seq_id, [])
-        if table:  # already matched/allocated: nothing new to share
-            return seq.num_computed
-        usable = (len(tokens) - 1) // bs
-        keys: list[bytes] = []
-        parent = ROOT_KEY
-        for i in range(usable):
-            key = block_key(parent, tokens[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt,
-                            span_extra(getattr(seq, "span_keys", None), i * bs, (i + 1) * bs))
-            block = self._block_of.get(key)
+        blocks = []
+        for key in self._keys(seq, 0, (len(seq.token_ids) - 1) // self.block_size, ROOT_KEY):
+            block = self.pool.lookup(key)
             if block is None:
                 break
-            self._ref(block)
-            table.append(block)
-            keys.append(key)
-            parent = key
-        self._chain[seq.seq_id] = keys
-        c = self.counters
-        c.queried_blocks += -(-len(tokens) // bs)
-        c.hit_blocks += len(keys)
-        c.queried_tokens += len(tokens)
-        c.hit_tokens += len(keys) * bs
-        return len(keys) * bs
+            blocks.append(block)
+        return blocks
+
+    def match_prefix(self, seq: SequenceView) -> int:
+        """Tokens of ``seq``'s longest run of cached leading blocks: a pure query."""
+        return len(self._cached_run(seq)) * self.block_size
+
+    def acquire_prefix(self, seq: SequenceView) -> int:
+        """Pin the cached leading blocks of ``seq`` into its table; count the lookup for the hit rate."""
+        if self.block_table(seq):  # already holds blocks: nothing new to share
+            return seq.num_computed
+        blocks = self._cached_run(seq)
+        for block in blocks:
+            self.pool.pin(block)
+            self.adopt(seq, block)
+        self._chain[seq.seq_id] = self._keys(seq, 0, len(blocks), ROOT_KEY)
+        bs, c = self.block_size, self.counters
+        c.queried_blocks += -(-len(seq.token_ids) // bs)
+        c.hit_blocks += len(blocks)
+        c.queried_tokens += len(seq.token_ids)
+        c.hit_tokens += len(blocks) * bs
+        return len(blocks) * bs
 
     def on_computed(self, seq: SequenceView) -> None:
         """Register every newly completed block of ``seq`` under its chained key."""
-        bs = self.block_size
         keys = self._chain.setdefault(seq.seq_id, [])
-        table = self._tables.get(seq.seq_id, [])
-        full = min(seq.num_computed // bs, len(table))
-        parent = keys[-1] if keys else ROOT_KEY
-        for i in range(len(keys), full):
-            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.adapter, seq.cache_salt,
-                            span_extra(getattr(seq, "span_keys", None), i * bs, (i + 1) * bs))
-            block = table[i]
-            owner = self._block_of.get(key)
-            if owner is None and block not in self._key_of:
-                self._block_of[key] = block
-                self._key_of[block] = key
-            # when another block already holds this key (two sequences computed the same
-            # prefix at once), ours stays private and is freed normally; the chain goes on
+        table = self.block_table(seq)
+        full = min(seq.num_computed // self.block_size, len(table))
+        if full <= len(keys):
+            return
+        # when another block already holds a key (two sequences computed the same prefix at once),
+        # ours stays private and is freed normally; the chain goes on
+        for i, key in enumerate(self._keys(seq, len(keys), full, keys[-1] if keys else ROOT_KEY), len(keys)):
+            self.pool.register(table[i], key)
             keys.append(key)
-            parent = key
 
     def free(self, seq: SequenceView) -> None:
-        """Drop ``seq``'s references; cached blocks it was last to hold become evictable.
-
-        Blocks are released tail first, so under pressure a prefix's last blocks
-        are evicted before its first ones (a shorter prefix stays reusable).
-        """
+        """Drop ``seq``'s references; cached blocks it was last to hold become evictable."""
         self._chain.pop(seq.seq_id, None)
         super().free(seq)
 
-    # -- block pool ----------------------------------------------------------
-    def _ref(self, block: int) -> None:
-        if self._refs[block] == 0:
-            self._evictable.pop(block, None)
-        self._refs[block] += 1
-
-    def _take_block(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)  # least recently released
-            key = self._key_of.pop(block)
-            del self._block_of[key]
-            self.counters.evictions += 1
-        self._refs[block] = 1
-        return block
-
-    def _release_block(self, block: int) -> None:
-        self._refs[block] -= 1
-        if self._refs[block] > 0:
-            return
-        if block in self._key_of:
-            self._evictable[block] = None
-            self._evictable.move_to_end(block)
-        else:
-            self._free.append(block)
-
     def reset(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""
-        dropped = 0
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
-            self._free.append(block)
-            dropped += 1
-        return dropped
+        return self.pool.reset()
 
     def stats(self) -> dict[str, float]:
         """The base block counts plus prefix-cache counters."""

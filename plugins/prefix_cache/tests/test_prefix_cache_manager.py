@@ -17,7 +17,6 @@ class Seq:
 
     seq_id: int
     token_ids: list[int]
-    adapter: str | None = None
     cache_salt: str | None = None
     num_computed: int = 0
     request_id: str = ""
@@ -38,8 +37,10 @@ class Seq:
 
 
 def run_prefill(kv: PrefixCachingKVCacheManager, seq: Seq) -> int:
-    """Admit ``seq`` the way the engine does: match, allocate the rest, compute, register."""
-    seq.num_computed = kv.match_prefix(seq)
+    """Admit ``seq`` the way the engine does: match (pure), acquire on admission, allocate the rest, compute."""
+    matched = kv.match_prefix(seq)
+    seq.num_computed = kv.acquire_prefix(seq)
+    assert seq.num_computed == matched  # nothing was evicted in between
     hit = seq.num_computed
     n = seq.num_uncomputed
     assert kv.can_allocate(seq, n)
@@ -75,14 +76,14 @@ def test_full_prompt_is_never_reused_entirely() -> None:
     assert again.num_uncomputed == 0
 
 
-def test_adapter_and_salt_separate_the_cache() -> None:
+def test_salt_separates_the_cache() -> None:
     kv = PrefixCachingKVCacheManager(32, BS)
     run_prefill(kv, Seq(0, list(range(9))))
-    assert run_prefill(kv, Seq(1, list(range(9)), adapter="sql")) == 0
+    assert run_prefill(kv, Seq(1, list(range(9)), cache_salt='{"lora":"sql"}')) == 0
     assert run_prefill(kv, Seq(2, list(range(9)), cache_salt="tenant-a")) == 0
-    assert run_prefill(kv, Seq(3, list(range(9)), adapter="sql")) == 8
-    assert block_key(ROOT_KEY, [1], None, "x") != block_key(ROOT_KEY, [1], "x", None)
-    assert block_key(ROOT_KEY, [1, 2], None, None) != block_key(block_key(ROOT_KEY, [0], None, None), [1, 2], None, None)
+    assert run_prefill(kv, Seq(3, list(range(9)), cache_salt='{"lora":"sql"}')) == 8
+    assert block_key(ROOT_KEY, [1], None) != block_key(ROOT_KEY, [1], "")
+    assert block_key(ROOT_KEY, [1, 2], None) != block_key(block_key(ROOT_KEY, [0], None), [1, 2], None)
 
 
 def test_ref_counts_and_lru_eviction_only_under_pressure() -> None:
@@ -126,17 +127,46 @@ def test_lru_evicts_least_recently_released_and_tail_first() -> None:
     assert run_prefill(kv, probe) == 4
 
 
-def test_matched_blocks_are_pinned_and_freed_by_free() -> None:
+def test_match_is_a_pure_query_and_acquire_pins() -> None:
     kv = PrefixCachingKVCacheManager(8, BS)
     run_prefill(kv, Seq(0, list(range(9))))
     kv.free(Seq(0, []))
     waiting = Seq(1, list(range(9)))
     assert kv.match_prefix(waiting) == 8
-    assert kv.num_free_blocks() == 6  # the two matched blocks are no longer evictable
+    assert kv.num_free_blocks() == 8 and kv.block_table(waiting) == []  # matching holds nothing
+    assert kv.counters.queried_blocks == 3  # ... and counts nothing: only the first admission did
+    assert kv.acquire_prefix(waiting) == 8
+    assert kv.num_free_blocks() == 6  # the two matched blocks are held now
+    assert [kv.pool.ref_count(b) for b in kv.block_table(waiting)] == [1, 1]
     kv.free(waiting)
     assert kv.num_free_blocks() == 8
     assert kv.reset() == 2
     assert kv.num_cached_blocks() == 0
+
+
+def test_blocks_evicted_between_match_and_acquire_are_recomputed() -> None:
+    kv = PrefixCachingKVCacheManager(4, BS)
+    run_prefill(kv, Seq(0, list(range(9))))
+    kv.free(Seq(0, []))  # 2 cached blocks, evictable
+    waiting = Seq(1, list(range(9)))
+    assert kv.match_prefix(waiting) == 8
+    hog = Seq(2, list(range(100, 112)))  # takes the 2 free blocks and evicts the cached head's tail
+    hog.num_computed = kv.acquire_prefix(hog)
+    kv.allocate(hog, 12)
+    assert kv.counters.evictions == 1
+    assert kv.acquire_prefix(waiting) == 4  # only the first block survived
+
+
+def test_the_manager_uses_only_the_public_pool() -> None:
+    """prefix_cache extends the builtin manager through public methods: no private attribute of a host class."""
+    import ast
+    import inspect
+
+    import mindie_plugin_prefix_cache.manager as manager
+
+    private = {node.attr for node in ast.walk(ast.parse(inspect.getsource(manager)))
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")}
+    assert private <= {"_chain", "_keys", "_cached_run"}, private  # its own
 
 
 def test_allocate_beyond_pool_raises() -> None:

@@ -126,4 +126,4 @@ def test_negative_aging_is_refused(installed: None, tiny_model: Path, tmp_path: 
     proc = subprocess.run([sys.executable, "-m", "mindie_host.cli", "serve", "--config", str(path)],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2
-    assert "Plugins.shortest_prompt_first.agingTokensPerSecond: got -1; allowed: float (greater than or equal to 0)" in proc.stderr
+    assert "Plugins.shortest_prompt_first.agingTokensPerSecond: got -1; allowed: float in [0, inf) (greater than or equal to 0)" in proc.stderr
