@@ -33,8 +33,6 @@ class MediaHandler(Protocol):
         ...
 
 
-#: ``Host.state`` key of the host's media handler
-STATE_KEY = "media_handler"
 #: the host whose request this task is parsing (bound by ``mindie_host.server.app.read_json``)
 _current_host: ContextVar[Any] = ContextVar("mindie_host_current_host", default=None)
 
@@ -46,18 +44,18 @@ def bind_host(host: Any) -> None:
 
 def register_media_handler(host: Any, handler: MediaHandler) -> None:
     """Serve ``host``'s media parts with ``handler`` (a plugin calls this at startup)."""
-    host.state[STATE_KEY] = handler
+    host.caches.media_handler = handler
 
 
 def unregister_media_handler(host: Any) -> None:
     """Stop serving media parts on ``host``."""
-    host.state.pop(STATE_KEY, None)
+    host.caches.media_handler = None
 
 
 def media_text(kind: str, item: dict[str, Any], field: str) -> str:
     """The placeholder text of a media part, or a 422 when no plugin serves media on this host."""
     host = _current_host.get()
-    handler: MediaHandler | None = host.state.get(STATE_KEY) if host is not None else None
+    handler: MediaHandler | None = host.caches.media_handler if host is not None else None
     if handler is None:
         raise RequestError(
             f"{field}.type {kind!r} is not supported by this text-only model "

@@ -13,14 +13,17 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from .backends.base import ModelBackend, ModelInfo
 from .config import Config
+from .config_support import no_effect, unsupported
 from .engine.async_engine import AsyncEngine
 from .engine.core import EngineLimits, LLMEngine
 from .engine.policy import SchedulerLimits
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .host_state import HostCaches, ServerRuntime
 from .kv_sizing import plan_kv_pool
 from .models.default import default_model_path
 from .models.weights import resolve_model
@@ -31,6 +34,15 @@ log = logging.getLogger("mindie_host")
 
 #: The spec's "1MB" token cap on inputs, read as a token count.
 SPEC_TOKEN_CAP = 1 << 20
+
+#: Where each protocol takes the output length from (named by the length rule's 4xx).
+OUTPUT_LENGTH_FIELDS: dict[str, str] = {
+    "openai": "max_tokens",
+    "vllm": "max_tokens",
+    "tgi": "parameters.max_new_tokens",
+    "native": "parameters.max_new_tokens",
+    "triton": "parameters.max_new_tokens",
+}
 
 
 class Host:
@@ -51,8 +63,8 @@ class Host:
         self.tokenizer: Any = None
         self.engine: AsyncEngine | None = None
         self.llm: LLMEngine | None = None
-        self.adapters: dict[str, int] = {}  # adapter name -> slot, maintained by multi_lora
-        self.state: dict[str, Any] = {}  # plugin scratch space, keyed by plugin name
+        self.runtime = ServerRuntime()  # the server's loop, stop signals, gates and pools
+        self.caches = HostCaches()  # values the server's modules compute once per host
         self._request_counter = 0
         self._counter_lock = threading.Lock()
 
@@ -60,6 +72,11 @@ class Host:
     def load(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         """Enable plugins, load tokenizer and weights, size the KV cache, build the engine."""
         cfg = self.config
+        refused = unsupported(cfg)
+        if refused:
+            raise PluginError("config.json asks for what this server cannot do:\n  " + "\n  ".join(refused))
+        for note in no_effect(cfg):
+            log.warning("%s", note)
         self.plugins.enable_from_config(cfg)
         errors = self.plugins.validate(cfg)
         if errors:
@@ -87,8 +104,20 @@ class Host:
         self.info = backend.load()
         if not self.info.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.info.eos_token_ids = [self.tokenizer.eos_token_id]
+        self._attach_linear_deltas(backend, self.info)
         self._build_engine()
         self.plugins.hook.mindie_host_startup(host=self)
+
+    def _attach_linear_deltas(self, backend: ModelBackend, info: ModelInfo) -> None:
+        """Give the backend the per-row linear deltas a plugin provides (``mindie_host_linear_deltas``)."""
+        impls = self.plugins.hook.mindie_host_linear_deltas.get_hookimpls()
+        deltas = self.plugins.hook.mindie_host_linear_deltas(info=info)
+        if deltas is not None and not backend.set_linear_deltas(deltas):
+            owners = ", ".join(i.plugin_name for i in impls) or "a plugin"
+            raise PluginError(
+                f"{owners} provides per-row linear deltas (mindie_host_linear_deltas) but backendType "
+                f"{self.model_config.backendType!r} cannot apply them (ModelBackend.set_linear_deltas returned False)"
+            )
 
     def _build_engine(self) -> None:
         assert self.backend is not None and self.info is not None
@@ -148,8 +177,11 @@ class Host:
     # -- facts --------------------------------------------------------------------------------
     @property
     def served_model_names(self) -> list[str]:
-        """The base model name followed by every loaded adapter name."""
-        return [self.model_name, *self.adapters]
+        """The base model name followed by the names plugins serve (``mindie_host_served_models``)."""
+        names = [self.model_name]
+        for extra in self.plugins.hook.mindie_host_served_models():
+            names.extend(n for n in extra or () if n not in names)
+        return names
 
     @property
     def max_input_tokens(self) -> int:
@@ -239,8 +271,9 @@ class Host:
                     f"(min of maxInputTokenLen, maxSeqLen-1, max_position_embeddings)",
                     field=field,
                 )
+        self._check_output_length(len(ids), sampling, protocol)
         if sampling.top_k and self.info is not None and sampling.top_k >= self.info.vocab_size:
-            sampling.top_k = 0  # >= vocabSize means the whole vocabulary
+            sampling = replace(sampling, top_k=0)  # >= vocabSize means the whole vocabulary (a copy: never mutated)
         timeout = timeout if timeout is not None else self.config.server.requestTimeoutSeconds
         req = EngineRequest(
             request_id=request_id or self.new_request_id(),
@@ -252,6 +285,29 @@ class Host:
         )
         self.plugins.hook.mindie_host_refine_request(request=req, body=body, protocol=protocol, host=self)
         return req
+
+    def _check_output_length(self, prompt_len: int, sampling: SamplingParams, protocol: str) -> None:
+        """The output length rule (spec §0.3), the one place it lives.
+
+        The effective output is at most ``min(maxIterTimes, max_tokens)`` (the spec's rule;
+        a request cut there ends with finish reason ``length``), and prompt plus output must
+        fit ``maxSeqLen``. A request that asks for more new tokens than its prompt leaves room
+        for gets a 4xx naming the field and the range, as vLLM (400) and TGI (422) answer,
+        never a silent clamp. Without ``max_tokens`` the output budget is what the prompt
+        leaves, up to ``maxIterTimes``, and the engine stops there with ``length``.
+        """
+        if sampling.max_tokens is None:
+            return
+        deploy = self.config.deploy
+        room = deploy.maxSeqLen - prompt_len
+        wanted = min(sampling.max_tokens, self.config.schedule.maxIterTimes)
+        if wanted > room:
+            field = OUTPUT_LENGTH_FIELDS.get(protocol, "max_tokens")
+            raise RequestError(
+                f"{field} asks for {wanted} new tokens but the prompt has {prompt_len} tokens and "
+                f"maxSeqLen is {deploy.maxSeqLen}; allowed for this prompt: an integer in [1, {room}]",
+                field=field,
+            )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Run ``request`` and stream its outputs (cumulative ``text``, incremental ``new_text``)."""

@@ -169,7 +169,7 @@ class RunningServer:
         return self
 
     def stop(self) -> None:
-        stop = self.host.state.get("stop_event")
+        stop = self.host.runtime.stop_event
         loop = self._loop
         if stop is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(stop.set)

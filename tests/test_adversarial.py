@@ -225,7 +225,7 @@ def test_slow_bodies_hold_no_connection_slot(server: RunningServer) -> None:
     finally:
         for sock in socks:
             sock.close()
-    gate = server.host.state["link_gate"]
+    gate = server.host.runtime.link_gate
     assert gate.active == 0 and gate.waiting == 0
 
 

@@ -41,7 +41,7 @@ def complete(url: str, headers: dict[str, str] | None = AUTH, **body: Any) -> ht
 def test_requests_beyond_the_queue_are_rejected_and_queued_ones_are_served(limited: RunningServer) -> None:
     """maxLinkNum=1: one in progress, two queued, the fourth refused with 503; nothing accepted is dropped."""
     host = limited.host
-    gate = host.state["link_gate"]
+    gate = host.runtime.link_gate
     backend = host.backend
     assert backend is not None
     original = backend.execute

@@ -134,7 +134,7 @@ def load_front_end(host: Host) -> None:
     client = EngineProcessClient(host)
     host.info = client.launch()
     host.engine = client
-    host.state["front_end_threads_before"] = limit_front_end_threads()
+    host.runtime.front_end_threads_before = limit_front_end_threads()
     try:
         host.plugins.hook.mindie_host_startup(host=host)
     except Exception as exc:
@@ -255,7 +255,7 @@ class EngineProcessClient(AsyncEngine):
                 sock.close(linger=0)
         self._zmq.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-        previous = self.host.state.pop("front_end_threads_before", None)
+        previous, self.host.runtime.front_end_threads_before = self.host.runtime.front_end_threads_before, None
         if previous:
             import torch
 

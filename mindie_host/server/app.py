@@ -59,23 +59,16 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def read_json(request: Request, host: Host) -> dict[str, Any]:
-    """The request body as a JSON object, refusing bodies over ``maxRequestBodyBytes`` with 413."""
+    """The request body as a JSON object (the body cap is enforced before any route runs: security.py)."""
     bind_host(host)  # media parts in the body are served by this host's plugins (mindie_host/content.py)
-    limit = host.config.server.maxRequestBodyBytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"request body of {declared} bytes exceeds the {limit}-byte limit", status=413, field="body")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise RequestError(f"request body of {len(raw)} bytes exceeds the {limit}-byte limit", status=413, field="body")
-    return parse_json_body(raw)
+    return parse_json_body(await request.body())
 
 
 def request_pool(host: Host) -> ThreadPoolExecutor:
     """The threads that tokenize prompts and decode tensors: ``tokenizerProcessNumber`` of them, made on first use."""
-    pool = host.state.get("request_pool")
+    pool = host.runtime.request_pool
     if pool is None:
-        pool = host.state["request_pool"] = ThreadPoolExecutor(
+        pool = host.runtime.request_pool = ThreadPoolExecutor(
             max_workers=host.config.backend.tokenizerProcessNumber, thread_name_prefix="mindie-tokenize"
         )
     return pool

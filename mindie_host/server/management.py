@@ -124,7 +124,7 @@ def dynamic_status(host: Host) -> dict[str, Any]:
     """``/v1/status`` (spec §3.5) for a mixed (non-PD) deployment."""
     stats = read_stats(host)
     free_slots = max(0, host.config.schedule.maxBatchSize - int(stats.get("num_running", 0)))
-    role = host.state.get("pd_role")
+    role = host.runtime.pd_role
     status: dict[str, Any] = {
         "service": {
             "roleStatus": "RoleReady" if host.ready else "RoleUnknown",
@@ -132,7 +132,7 @@ def dynamic_status(host: Host) -> dict[str, Any]:
         },
         "resource": {"availSlotsNum": free_slots, "availBlockNum": int(stats.get("kv_blocks_free", 0))},
     }
-    peers = host.state.get("pd_peers")
+    peers = host.runtime.pd_peers
     if peers:
         status["peers"] = list(peers)
     return status
@@ -141,10 +141,10 @@ def dynamic_status(host: Host) -> dict[str, Any]:
 def request_stop(host: Host) -> bool:
     """Refuse new inference requests and wake the runner's graceful stop; False if nothing is listening."""
     host.draining = True
-    stop = host.state.get("stop_event")
+    stop = host.runtime.stop_event
     if stop is None:
         return False
-    loop = host.state.get("loop")
+    loop = host.runtime.loop
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:

@@ -195,13 +195,13 @@ class ServingMetrics:
 
 def serving_metrics(host: Host) -> ServingMetrics:
     """The host's :class:`ServingMetrics`, created on first use."""
-    metrics = host.state.get("serving_metrics")
+    metrics = host.caches.serving_metrics
     if metrics is None:
         metrics = ServingMetrics(model_label(host), window_size())
         metrics.registry.register(_ScalarCollector(host))
         metrics.add_histograms()
         metrics.registry.register(_ExtraCollector(host))
-        host.state["serving_metrics"] = metrics
+        host.caches.serving_metrics = metrics
     return metrics
 
 
@@ -244,7 +244,7 @@ def read_stats(host: Host) -> dict[str, float]:
 def spec_scalar_values(host: Host) -> dict[str, float]:
     """Values of the spec's counters and gauges from ``host.stats()``."""
     stats = read_stats(host)
-    metrics: ServingMetrics | None = host.state.get("serving_metrics")
+    metrics: ServingMetrics | None = host.caches.serving_metrics
     received = stats.get("requests_received", 0.0)
     failed = stats.get("finished_error", 0.0) + stats.get("finished_timeout", 0.0)
     return {
@@ -274,7 +274,7 @@ def _extra_families(host: Host, label: str) -> Iterator[Metric]:
         ("mindie_host_requests_active", "Requests submitted to the engine and not finished.",
          stats.get("num_active_requests", 0.0)),
     ]
-    gate = host.state.get("link_gate")
+    gate = host.runtime.link_gate
     if gate is not None:
         gauges.append(("mindie_host_http_requests_processing", "Business requests being processed (maxLinkNum).",
                        float(gate.active)))
@@ -344,7 +344,7 @@ def _escape(value: str) -> str:
 def metrics_json(host: Host, instance: str) -> dict[str, Any]:
     """The ``/metrics-json`` body (spec §4.1): TTFT, TBT, waiting, processing, remainBlocks, then plugin gauges."""
     stats = read_stats(host)
-    metrics: ServingMetrics | None = host.state.get("serving_metrics")
+    metrics: ServingMetrics | None = host.caches.serving_metrics
     values: list[tuple[str, float]] = [
         ("TTFT", metrics.ttft_average if metrics else 0.0),
         ("TBT", metrics.tbt_average if metrics else 0.0),

@@ -107,9 +107,9 @@ class ClientIds:
 
 def client_ids(host: Host) -> ClientIds:
     """The host's :class:`ClientIds` registry."""
-    registry = host.state.get("native.client_ids")
+    registry = host.caches.client_ids
     if registry is None:
-        registry = host.state["native.client_ids"] = ClientIds()
+        registry = host.caches.client_ids = ClientIds()
     return registry
 
 

@@ -24,6 +24,7 @@ from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from ..structured import llg, parse_structured
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .outcome import failure, finish_reason, raise_for_failure
 from .params import build_sampling
 from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
@@ -322,18 +323,6 @@ def echo_text(host: Host, req: EngineRequest) -> str:
     return req.prompt if req.prompt is not None else host.tokenizer.decode(req.prompt_token_ids)
 
 
-def finish_reason(out: RequestOutput) -> str:
-    return "length" if out.finish_reason == "length" else "stop"
-
-
-def raise_for_failure(out: RequestOutput) -> None:
-    """Turn an engine-side failure into the right HTTP error."""
-    if out.finish_reason == "error":
-        raise RequestError(out.error or "generation failed", status=500)
-    if out.finish_reason == "timeout":
-        raise RequestError(out.error or "request timed out", status=408)
-
-
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached:
@@ -490,8 +479,8 @@ class OpenAIServer:
 
         try:
             async for i, out in self._merged(reqs):
-                if out.finished and out.finish_reason in ("error", "timeout"):
-                    err = RequestError(out.error or "generation failed", status=500 if out.finish_reason == "error" else 408)
+                err = failure(out) if out.finished else None
+                if err is not None:
                     yield sse_event(openai_error_body(err))
                     break
                 totals[i] = len(out.token_ids)
@@ -586,8 +575,8 @@ class OpenAIServer:
 
         try:
             async for i, out in self._merged(reqs):
-                if out.finished and out.finish_reason in ("error", "timeout"):
-                    err = RequestError(out.error or "generation failed", status=500 if out.finish_reason == "error" else 408)
+                err = failure(out) if out.finished else None
+                if err is not None:
                     yield sse_event(openai_error_body(err))
                     break
                 prefix = ""

@@ -36,7 +36,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
 
 def model_defaults(host: Host) -> dict[str, Any]:
     """Sampling defaults of the served model (cached on the host)."""
-    cached = host.state.get("sampling_defaults")
+    cached = host.caches.sampling_defaults
     if cached is not None:
         return cached
     defaults = dict(SPEC_DEFAULTS)
@@ -52,7 +52,7 @@ def model_defaults(host: Host) -> dict[str, Any]:
         value = getattr(host.model_config, key, None)
         if value is not None:
             defaults[key] = value
-    host.state["sampling_defaults"] = defaults
+    host.caches.sampling_defaults = defaults
     return defaults
 
 

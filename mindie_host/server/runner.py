@@ -108,9 +108,9 @@ def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
     """Wrap a listener's app with request ids, and on business routes the API key, body cap and maxLinkNum."""
     gate = None
     if "business" in planes:
-        gate = host.state.get("link_gate")
+        gate = host.runtime.link_gate
         if gate is None:
-            gate = host.state["link_gate"] = LinkGate(host.config.server.maxLinkNum)
+            gate = host.runtime.link_gate = LinkGate(host.config.server.maxLinkNum)
     business = {id(r) for r in getattr(app.state, "business_routes", [])}
 
     def is_business(scope: Any) -> bool:
@@ -134,7 +134,7 @@ KEEP_ALIVE_SECONDS = 75
 
 async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None,
                 engine_thread: bool = True, loaded: Any = None) -> None:
-    """Run every listener until SIGTERM/SIGINT (or the stop event in ``host.state``).
+    """Run every listener until SIGTERM/SIGINT (or ``host.runtime.stop_event``).
 
     With ``engine_thread=False`` the engine is not started here: the caller runs
     ``host.engine.run_here()`` once ``on_ready`` fires (see :func:`serve_with_engine_on_main_thread`).
@@ -155,9 +155,9 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
-    host.state["stop_event"] = stop
-    host.state["force_stop_event"] = force
-    host.state["loop"] = loop
+    host.runtime.stop_event = stop
+    host.runtime.force_stop_event = force
+    host.runtime.loop = loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, on_stop_signal, host)
@@ -181,8 +181,8 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
             await asyncio.to_thread(host.load)
         elif loaded is not None:
             await asyncio.to_thread(loaded.wait)
-            if host.state.get("load_error") is not None:
-                raise host.state["load_error"]
+            if host.runtime.load_error is not None:
+                raise host.runtime.load_error
         host.start(engine_thread=engine_thread)
         log.info("model %s ready", host.model_name)
         if on_ready is not None:
@@ -234,7 +234,7 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
         signals[0] += 1
         if signals[0] >= 2 and not host.ready and host.engine is None:
             raise KeyboardInterrupt  # asked twice while the model is still loading: give up the load now
-        loop = host.state.get("loop")
+        loop = host.runtime.loop
         if loop is not None:
             loop.call_soon_threadsafe(on_stop_signal, host)
 
@@ -248,7 +248,7 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
         try:
             host.load()
         except BaseException as exc:
-            host.state["load_error"] = exc
+            host.runtime.load_error = exc
         finally:
             loaded.set()
         ready.wait()
@@ -264,7 +264,7 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
 
 def on_stop_signal(host: Host) -> None:
     """SIGTERM/SIGINT on the serving loop: the first one drains, a second one stops at once."""
-    stop, force = host.state.get("stop_event"), host.state.get("force_stop_event")
+    stop, force = host.runtime.stop_event, host.runtime.force_stop_event
     if stop is None:
         return
     if stop.is_set() and force is not None and not force.is_set():

@@ -317,8 +317,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class BusinessGuard:
-    """Wraps a listener's app: request ids and access log everywhere; on business routes the API key,
-    the body cap and ``maxLinkNum``.
+    """Wraps a listener's app: request ids, the access log and the body cap everywhere; on business
+    routes the API key and ``maxLinkNum`` too.
 
     ``is_business(scope)`` tells business routes from management ones when planes share a port.
     """
@@ -359,7 +359,9 @@ class BusinessGuard:
             elif self.business_port and self.api_key is not None and not self._authorized(scope):
                 await self._unauthorized(send_with_id)  # a management route sharing the business port
             else:
-                await self.app(scope, receive, send_with_id)
+                capped = await self._capped_body(scope, receive, send_with_id)
+                if capped is not None:
+                    await self.app(scope, capped, send_with_id)
         finally:
             # method, path, status and timing only: never a body (no prompt text in the logs)
             log.log(logging.INFO if business else logging.DEBUG, "%s %s -> %s (%.3f s)", scope.get("method"),
@@ -372,6 +374,40 @@ class BusinessGuard:
                                      "'Authorization: Bearer <ServerConfig.apiKey>'"},
                          [(b"www-authenticate", b"Bearer")])
 
+    async def _capped_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """The one place the body cap (``maxRequestBodyBytes``, 413) and the body deadline
+        (``bodyReadTimeoutSeconds``, 408) are enforced, for every route of every plane.
+
+        :return: a ``receive`` that replays the buffered body, or ``None`` when the request
+            was answered here.
+        """
+        limit = self.config.server.maxRequestBodyBytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body of {declared} bytes "
+                                         f"exceeds the {limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
+                                         "field": "body"}, [])
+            return None
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return receive
+        # the whole body is read before a maxLinkNum slot is taken, within bodyReadTimeoutSeconds,
+        # so a client trickling its body holds no slot and is cut off
+        body_timeout = self.config.server.bodyReadTimeoutSeconds
+        try:
+            buffered = await asyncio.wait_for(self._buffer_body(receive, limit), body_timeout)
+        except asyncio.TimeoutError:
+            log.info("request body incomplete after %g s: 408", body_timeout)
+            await _send_json(send, 408, {"type": "Timeout", "error": f"the request body did not arrive within "
+                                         f"{body_timeout:g} s (ServerConfig.bodyReadTimeoutSeconds)",
+                                         "field": "body"}, [(b"connection", b"close")])
+            return None
+        if buffered is None:
+            await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body exceeds the "
+                                         f"{limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
+                                         "field": "body"}, [(b"connection", b"close")])
+            return None
+        return _replay(buffered, receive)
+
     async def _business(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key is not None and not self._authorized(scope):
             await self._unauthorized(send)
@@ -380,31 +416,10 @@ class BusinessGuard:
             await _send_json(send, 503, {"type": "Service Unavailable",
                                          "error": "The service is not ready: the model is still loading."}, [])
             return
-        limit = self.config.server.maxRequestBodyBytes
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body of {declared} bytes "
-                                         f"exceeds the {limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
-                                         "field": "body"}, [])
+        capped = await self._capped_body(scope, receive, send)
+        if capped is None:
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            # the whole body is read before a maxLinkNum slot is taken, within bodyReadTimeoutSeconds,
-            # so a client trickling its body holds no slot and is cut off
-            body_timeout = self.config.server.bodyReadTimeoutSeconds
-            try:
-                buffered = await asyncio.wait_for(self._buffer_body(receive, limit), body_timeout)
-            except asyncio.TimeoutError:
-                log.info("request body incomplete after %g s: 408", body_timeout)
-                await _send_json(send, 408, {"type": "Timeout", "error": f"the request body did not arrive within "
-                                             f"{body_timeout:g} s (ServerConfig.bodyReadTimeoutSeconds)",
-                                             "field": "body"}, [(b"connection", b"close")])
-                return
-            if buffered is None:
-                await _send_json(send, 413, {"type": "Payload Too Large", "error": f"request body exceeds the "
-                                             f"{limit}-byte limit (ServerConfig.maxRequestBodyBytes)",
-                                             "field": "body"}, [(b"connection", b"close")])
-                return
-            receive = _replay(buffered, receive)
+        receive = capped
         gate = self.gate
         if gate is None:
             await self.app(scope, receive, send)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .outcome import failure, finish_reason
 from .params import build_sampling
 from .validation import INT32_MAX, Fields, check_seed, check_text_size
 
@@ -159,8 +160,11 @@ def client_id(body: dict[str, Any], key: str = "id") -> str | None:
 
 
 def check_adapter(host: Host, req: EngineRequest, adapter: str | None, field: str) -> None:
-    """404 when a LoRA adapter was named but no plugin resolved it (``"None"`` or the base model mean none)."""
-    if adapter in (None, "None", host.model_name) or req.adapter is not None:
+    """404 when an adapter was named but no plugin resolved it (``"None"`` or the base model mean none).
+
+    A plugin that resolves it puts its own entry in ``req.extensions`` (or a variant in ``req.variant``).
+    """
+    if adapter in (None, "None", host.model_name) or req.variant >= 0 or req.extensions:
         return
     raise RequestError(
         f"adapter {adapter!r} is not loaded (served: {host.served_model_names})", status=404, field=field
@@ -179,21 +183,17 @@ def copy_sampling(params: SamplingParams, seed_offset: int = 0) -> SamplingParam
 
 def tgi_finish_reason(out: RequestOutput) -> str:
     """TGI/MindIE finish reasons: ``length``, ``eos_token``, ``stop_sequence`` (also for a stopped request)."""
-    if out.finish_reason == "length":
-        return "length"
-    if out.finish_reason == "stop" and out.stop_reason is None:
-        return "eos_token"
-    return "stop_sequence"
+    return finish_reason(out, "tgi")
 
 
 def special_ids(host: Host) -> set[int]:
     """The tokenizer's special token ids (cached on the host)."""
-    cached = host.state.get("special_token_ids")
+    cached = host.caches.special_token_ids
     if cached is None:
         cached = set(getattr(host.tokenizer, "all_special_ids", []) or [])
         if host.info is not None:
             cached.update(host.info.eos_token_ids)
-        host.state["special_token_ids"] = cached
+        host.caches.special_token_ids = cached
     return cached
 
 
@@ -213,13 +213,6 @@ def closing_token_id(host: Host, out: RequestOutput) -> int:
     return out.token_ids[-1] if out.token_ids else eos_id(host)
 
 
-def failure(out: RequestOutput) -> RequestError | None:
-    """The error a failed (engine error or timeout) output stands for, else ``None``."""
-    if out.finish_reason == "error":
-        return RequestError(out.error or "generation failed", status=500)
-    if out.finish_reason == "timeout":
-        return RequestError(out.error or "request timed out", status=408)
-    return None
 
 
 async def primed(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -216,7 +216,7 @@ def plan_tools(host: Host, tools_raw: Any, choice: Any, parallel: bool = True) -
 
 def _plan_tools(host: Host, tools_raw: Any, choice: Any) -> ToolPlan:
     tools = validate_tools(tools_raw) if tools_raw is not None else []
-    parser = host.state.get("tool_calls.parser")
+    parser = host.caches.tool_parser
     if parser is None:
         model_type = host.info.model_type if host.info is not None else "llama"
         parser = host.plugins.hook.mindie_host_tool_call_parser(model_type=model_type, host=host)
@@ -224,7 +224,7 @@ def _plan_tools(host: Host, tools_raw: Any, choice: Any) -> ToolPlan:
             parser = builtin_parser(model_type)
         elif not isinstance(parser, ToolParser):
             parser = ParserAdapter(parser)
-        host.state["tool_calls.parser"] = parser
+        host.caches.tool_parser = parser
     if choice is None:
         return ToolPlan("auto" if tools else "none", tools, parser)
     if isinstance(choice, str):

@@ -37,6 +37,7 @@ from ..content import media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .management import not_ready_reason
+from .outcome import failure, raise_for_failure
 from .params import build_sampling
 from .textgen import tgi_finish_reason
 from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_response, wants_binary_output
@@ -128,23 +129,9 @@ def perf_stat(out: RequestOutput) -> list[list[int]]:
     return pairs
 
 
-def raise_for_failure(out: RequestOutput) -> None:
-    if out.finish_reason == "error":
-        raise RequestError(out.error or "generation failed", status=500)
-    if out.finish_reason == "timeout":
-        raise RequestError(out.error or "request timed out", status=408)
-
-
 async def read_body(request: Request, host: Host) -> bytes:
-    """The raw body, refusing more than ``maxRequestBodyBytes`` with 413."""
-    limit = host.config.server.maxRequestBodyBytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"request body of {declared} bytes exceeds the {limit}-byte limit", status=413, field="body")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise RequestError(f"request body of {len(raw)} bytes exceeds the {limit}-byte limit", status=413, field="body")
-    return raw
+    """The raw body (the body cap is enforced before any route runs: security.py)."""
+    return await request.body()
 
 
 def header_length(request: Request) -> int | None:
@@ -328,8 +315,9 @@ class TritonServer:
         stats: list[list[int]] = []
         try:
             async for out in host.generate(req):
-                if out.finished and out.finish_reason in ("error", "timeout"):
-                    yield sse_event({"error": out.error or "generation failed"}, space=False)
+                err = failure(out) if out.finished else None
+                if err is not None:
+                    yield sse_event({"error": err.message}, space=False)
                     return
                 if not out.finished and not out.new_token_ids:
                     continue

@@ -5,7 +5,7 @@ llguidance's grammar text and refuses (``RequestError``, 400) anything the libra
 reports as an error or as a schema feature it cannot enforce. :class:`GrammarConstraint`
 is an ``EngineRequest.logits_constraint``: each step it feeds the new output tokens to
 the matcher and returns the allowed next token ids (a row of the vocabulary mask).
-The library's view of the tokenizer is built once per host (cached on ``host.state``).
+The library's view of the tokenizer is built once per host (cached on ``host.caches``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from .spec import StructuredSpec
 if TYPE_CHECKING:
     from ..host import Host
 
-STATE_KEY = "structured.llguidance_tokenizer"
 #: JSON is written with ``", "`` and ``": "`` separators and no other whitespace (as ``json.dumps``
 #: writes it and models mostly read it), so a model cannot spend its token budget on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -76,10 +75,10 @@ def _rebuilt(key: str, spec: str, n_vocab: int, eos: list[int]) -> Tokenizer:
 
 def tokenizer_for(host: Host) -> Tokenizer:
     """The host's :func:`make_tokenizer`, built on first use (about a second) and cached."""
-    cached = host.state.get(STATE_KEY)
+    cached = host.caches.llg_tokenizer
     if cached is None:
         size = max(len(host.tokenizer), getattr(host.info, "vocab_size", 0) or 0)
-        cached = host.state[STATE_KEY] = make_tokenizer(host.tokenizer, host_eos(host), size)
+        cached = host.caches.llg_tokenizer = make_tokenizer(host.tokenizer, host_eos(host), size)
     return cached
 
 

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..host import Host
 
-STATE_KEY = "structured.vocab"
 
 
 @dataclass
@@ -93,11 +92,11 @@ def build_vocab(tokenizer: Any, eos: list[int]) -> Vocab:
 
 
 def vocab_for(host: Host) -> Vocab:
-    """The :class:`Vocab` of the host's tokenizer, built on first use and cached on ``host.state``."""
-    cached = host.state.get(STATE_KEY)
+    """The :class:`Vocab` of the host's tokenizer, built on first use and cached on ``host.caches``."""
+    cached = host.caches.vocab
     if cached is None:
         eos = list(host.info.eos_token_ids) if host.info is not None else []
         if not eos and host.tokenizer.eos_token_id is not None:
             eos = [host.tokenizer.eos_token_id]
-        cached = host.state[STATE_KEY] = build_vocab(host.tokenizer, eos)
+        cached = host.caches.vocab = build_vocab(host.tokenizer, eos)
     return cached
