@@ -20,6 +20,7 @@ from .config import (
     load_config,
     validate_config_file,
 )
+from .config_support import no_effect, unsupported
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import (
     PluginError,
@@ -134,6 +135,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     if not errors:
         try:
             cfg = load_config(args.file)
+            for note in no_effect(cfg):
+                print(f"warning: {note}")
+            errors += [f"error: {e}" for e in unsupported(cfg)]
+            for e in unsupported(cfg):
+                print(f"error: {e}")
             plugin_host = PluginHost()
             plugin_host.enable_from_config(cfg)
             plugin_errors = plugin_host.validate(cfg)

@@ -49,6 +49,10 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
     if model_config.kvCacheDtype != "auto":
         errors.append(f"ModelConfig.kvCacheDtype is {model_config.kvCacheDtype!r}; backendType 'atb' keeps its KV "
                       "cache in the weights' dtype; allowed: \"auto\"")
+    if model_config.compile:
+        errors.append("ModelConfig.compile is true; backendType 'atb' runs its decode steps eagerly through "
+                      "torch_npu's fused operators (no torch.compile or NPU graph capture in this version); "
+                      "allowed: false")
     section = _options(config)
     if not isinstance(section, dict):
         return [*errors, f"Plugins.atb must be a JSON object, got {section!r}"]

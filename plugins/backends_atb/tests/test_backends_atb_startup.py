@@ -87,6 +87,7 @@ def test_backends_atb_torch_npu_present_but_no_device(monkeypatch: pytest.Monkey
         ({"worldSize": 2}, {}, "ModelConfig.worldSize"),
         ({"quantization": "w8a16"}, {}, "ModelConfig.quantization"),
         ({"kvCacheDtype": "int8"}, {}, "ModelConfig.kvCacheDtype"),
+        ({"compile": True}, {}, "ModelConfig.compile"),
         ({}, {"atb": {"memoryFraction": 1.5}}, "Plugins.atb.memoryFraction"),
         ({}, {"atb": {"bogus": 1}}, "Plugins.atb.bogus"),
     ],

@@ -51,6 +51,9 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
     if model_config.kvCacheDtype not in ("auto", "float32"):
         errors.append(f"ModelConfig.kvCacheDtype is {model_config.kvCacheDtype!r} but backendType 'ms' keeps a "
                       "float32 KV cache; allowed: \"auto\" or \"float32\"")
+    if model_config.compile:
+        errors.append("ModelConfig.compile is true but backendType 'ms' runs MindSpore in eager (PyNative) mode; "
+                      "allowed: false")
     for name, reason in INCOMPATIBLE_PLUGINS.items():
         if name in model_config.plugins:
             errors.append(f"ModelConfig.plugin_params enables {name!r} with backendType 'ms': {reason}")

@@ -175,6 +175,7 @@ def test_backends_ms_with_prefix_cache_and_splitfuse(
         ({"worldSize": 2}, "", "ModelConfig.worldSize"),
         ({"quantization": "w8a8"}, "", "ModelConfig.quantization"),
         ({"kvCacheDtype": "int8"}, "", "ModelConfig.kvCacheDtype"),
+        ({"compile": True}, "", "ModelConfig.compile"),
         ({}, "multi_lora", "multi_lora"),
     ],
 )

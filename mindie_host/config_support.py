@@ -1,0 +1,98 @@
+"""Which config keys this host honours: the keys it refuses and the keys that have no effect here.
+
+Every key of the spec is parsed and range-checked by :mod:`mindie_host.config`. Most
+drive the server; the few below do not, and none of them is dropped in silence:
+
+* :func:`unsupported` lists settings whose non-default value this version cannot honour,
+  where serving anyway would give silently wrong behaviour. Startup refuses them, and
+  ``mindie-host config validate`` reports them as errors.
+* :func:`no_effect` lists keys set to a non-default value that change nothing here, with the
+  reason. Startup logs each as a warning, and ``config validate`` prints them.
+
+:data:`NO_EFFECT_KEYS` names every key that the server reads nowhere, with the reason; a
+test checks that every other config key is read somewhere in the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from .config import Config
+
+SCALE_OUT = "run one instance per model or per device group behind the MS coordinator (docs/scale-out.md)"
+
+#: Keys the server reads nowhere, and why (dotted paths; ``ModelConfig`` keys without an index).
+NO_EFFECT_KEYS: dict[str, str] = {
+    "Version": "the config format version; checked, then informational",
+    "BackendConfig.backendName": "the spec allows one value, mindieservice_llm_engine; checked, then informational",
+    "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
+    "BackendConfig.npuDeviceIds": "this host takes the device from ModelConfig.device (and worldSize), not from "
+                                  "npuDeviceIds",
+    "ServerConfig.kmcKsfMaster": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
+    "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
+    "BackendConfig.multiNodesInferPort": "multi-node inference is not served by this version",
+    "ServerConfig.interCommPort": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
+    "BackendConfig.ScheduleConfig.maxPreemptCount": "preemption here frees a sequence's blocks and recomputes them "
+                                                    "later; swapping preempted sequences to CPU memory, which "
+                                                    "maxPreemptCount bounds, is not implemented",
+}
+#: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
+NO_EFFECT_PREFIXES: dict[str, str] = {
+    "BackendConfig.interNode": "multi-node inference is not served by this version",
+    "ServerConfig.interComm": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
+}
+
+
+def unsupported(config: Config) -> list[str]:
+    """Settings this version cannot honour; each message names the key, the value and what is allowed."""
+    errors: list[str] = []
+    models = config.BackendConfig.ModelDeployConfig.ModelConfig
+    for i, extra in enumerate(models[1:], 1):
+        errors.append(
+            f"BackendConfig.ModelDeployConfig.ModelConfig[{i}] (modelName {extra.modelName!r}): this server serves "
+            f"one model, ModelConfig[0] ({models[0].modelName!r}); allowed: one ModelConfig entry. To serve several "
+            f"models, {SCALE_OUT}"
+        )
+    srv, be = config.ServerConfig, config.BackendConfig
+    if srv.inferMode != "standard":
+        errors.append(
+            f"ServerConfig.inferMode: got {srv.inferMode!r}; allowed 'standard' (prefill and decode in one instance): "
+            "PD disaggregation ('dmi') is not served by this version"
+        )
+    if be.multiNodesInferEnabled:
+        errors.append(
+            "BackendConfig.multiNodesInferEnabled: got true; allowed false: multi-node inference is not served by "
+            f"this version; {SCALE_OUT}"
+        )
+    if be.modelInstanceNumber != 1:
+        errors.append(
+            f"BackendConfig.modelInstanceNumber: got {be.modelInstanceNumber}; allowed 1 (one model instance per "
+            f"server); {SCALE_OUT}"
+        )
+    return errors
+
+
+def no_effect(config: Config) -> list[str]:
+    """A warning for each key set to a non-default value that has no effect here."""
+    notes: list[str] = []
+    default = Config()
+    for path, value, default_value in config_leaves(config, default, ""):
+        reason = NO_EFFECT_KEYS.get(path) or next(
+            (why for prefix, why in NO_EFFECT_PREFIXES.items() if path.startswith(prefix)), None
+        )
+        if reason is not None and value != default_value and value not in ("", [], None, False):
+            notes.append(f"{path} is {value!r}: no effect here ({reason})")
+    return notes
+
+
+def config_leaves(obj: Any, default: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    out: list[tuple[str, Any, Any]] = []
+    for f in fields(obj):
+        value, base = getattr(obj, f.name), getattr(default, f.name, None)
+        path = f"{prefix}{f.name}"
+        if hasattr(value, "__dataclass_fields__"):
+            out.extend(config_leaves(value, base, path + "."))
+        else:
+            out.append((path, value, base))
+    return out

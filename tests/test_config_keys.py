@@ -1,0 +1,91 @@
+"""No config key is parsed and then dropped: each is read by the server, refused, or reported as having no effect."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindie_host.config import Config, config_from_dict, default_config_dict
+from mindie_host.config_support import NO_EFFECT_KEYS, NO_EFFECT_PREFIXES, config_leaves, no_effect, unsupported
+from mindie_host.host import Host
+from mindie_host.plugins import PluginError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _attributes_read() -> set[str]:
+    """Every attribute name the package and the plugins read (``x.name``), outside the config parser."""
+    files = [p for p in (ROOT / "mindie_host").rglob("*.py") if p.name != "config.py"]  # its checks are not use
+    files += [p for p in (ROOT / "plugins").rglob("*.py") if "tests" not in p.parts]
+    return {node.attr for path in files for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)}
+
+
+#: keys read through a property of their section
+READ_THROUGH = {"LogConfig.logLevel": "level"}
+
+
+def test_every_config_key_is_read_or_reported_as_having_no_effect() -> None:
+    read = _attributes_read()
+    read |= {key.rsplit(".", 1)[-1] for key, prop in READ_THROUGH.items() if prop in read}
+    dropped = []
+    for path, _, _ in config_leaves(Config(), Config(), ""):
+        name = path.rsplit(".", 1)[-1]
+        explained = path in NO_EFFECT_KEYS or any(path.startswith(p) for p in NO_EFFECT_PREFIXES)
+        if name not in read and not explained:
+            dropped.append(path)
+        assert not (name in read and path in NO_EFFECT_KEYS), f"{path} is read somewhere but listed as having no effect"
+    assert not dropped, f"config keys parsed and then dropped: {dropped}"
+
+
+def _config(**changes: object) -> Config:
+    data = default_config_dict()
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    return config_from_dict(data)
+
+
+def test_keys_without_effect_are_reported() -> None:
+    cfg = _config(BackendConfig__npuDeviceIds=[[0]], ServerConfig__interCommPort=1300,
+                  BackendConfig__ScheduleConfig__maxPreemptCount=2)
+    notes = no_effect(cfg)
+    assert any(n.startswith("ServerConfig.interCommPort is 1300: no effect here") for n in notes)
+    assert any(n.startswith("BackendConfig.ScheduleConfig.maxPreemptCount is 2: no effect here") for n in notes)
+    assert not no_effect(config_from_dict(default_config_dict()))
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"ServerConfig__inferMode": "dmi"}, "ServerConfig.inferMode: got 'dmi'; allowed 'standard'"),
+        ({"BackendConfig__modelInstanceNumber": 2}, "BackendConfig.modelInstanceNumber: got 2; allowed 1"),
+    ],
+)
+def test_settings_this_host_cannot_honour_are_refused(changes: dict[str, object], expected: str) -> None:
+    errors = unsupported(_config(**changes))
+    assert any(e.startswith(expected) for e in errors), errors
+    with pytest.raises(PluginError, match=re.escape(expected)):
+        Host(_config(**changes)).load()
+
+
+def test_a_second_model_entry_is_refused_naming_it(tmp_path: Path) -> None:
+    data = default_config_dict()
+    models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+    models.append(dict(models[0], modelName="second"))
+    expected = "BackendConfig.ModelDeployConfig.ModelConfig[1] (modelName 'second'): this server serves one model"
+    with pytest.raises(PluginError, match=re.escape(expected)):
+        Host(config_from_dict(data)).load()
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    r = subprocess.run([sys.executable, "-m", "mindie_host.cli", "config", "validate", str(tmp_path / "c.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and expected in r.stdout
