@@ -33,9 +33,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
     "BackendConfig.multiNodesInferPort": "multi-node inference is not served by this version",
     "ServerConfig.interCommPort": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
-    "BackendConfig.ScheduleConfig.maxPreemptCount": "preemption here frees a sequence's blocks and recomputes them "
-                                                    "later; swapping preempted sequences to CPU memory, which "
-                                                    "maxPreemptCount bounds, is not implemented",
 }
 #: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
 NO_EFFECT_PREFIXES: dict[str, str] = {

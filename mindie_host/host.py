@@ -20,9 +20,11 @@ from .backends.base import ModelBackend, ModelInfo
 from .config import Config
 from .config_support import no_effect, unsupported
 from .engine.async_engine import AsyncEngine
+from .engine.block_pool import RefCountedBlockPool
 from .engine.core import EngineLimits, LLMEngine
 from .engine.policy import SchedulerLimits
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from .engine.swap import SwapSpace
 from .host_state import HostCaches, ServerRuntime
 from .kv_sizing import plan_kv_pool
 from .models.default import default_model_path
@@ -144,6 +146,7 @@ class Host:
             prefill_time_ms_per_req=sc.prefillTimeMsPerReq,
             decode_time_ms_per_req=sc.decodeTimeMsPerReq,
         )
+        swap = self._swap_space()
         self.llm = LLMEngine(
             backend=self.backend,
             model_info=self.info,
@@ -153,9 +156,27 @@ class Host:
             limits=EngineLimits(max_seq_len=deploy.maxSeqLen, max_iter_times=sc.maxIterTimes),
             hook=self.plugins.hook,
             config=self.config,
+            swap=swap,
         )
         self.engine = AsyncEngine(self.llm, self.plugins)
         log.info("%s", plan.describe(self.info.device))
+
+    def _swap_space(self) -> SwapSpace | None:
+        """The CPU swap space for preempted sequences: ``cpuMemSize`` GB when ``maxPreemptCount`` > 0."""
+        assert self.backend is not None
+        count, gb = self.config.schedule.maxPreemptCount, self.model_config.cpuMemSize
+        if count == 0:
+            return None
+        per_block = self.backend.swap_block_bytes()
+        blocks = gb * (1 << 30) // per_block if per_block else 0
+        if blocks == 0 or not self.backend.allocate_swap_space(blocks):
+            log.warning("ScheduleConfig.maxPreemptCount is %d but backendType %r cannot swap KV blocks to CPU "
+                        "memory (or cpuMemSize holds none): preempted sequences are recomputed instead",
+                        count, self.model_config.backendType)
+            return None
+        log.info("swap space: %d KV blocks (cpuMemSize %d GB); at most %d swap preemptions per step",
+                 blocks, gb, count)
+        return SwapSpace(RefCountedBlockPool(blocks), max_per_step=count)
 
     def start(self, engine_thread: bool = True) -> None:
         """Mark the server ready; start the engine worker thread unless the caller

@@ -171,6 +171,24 @@ class ModelBackend(abc.ABC):
         """
         return False
 
+    # -- swap space (optional): where preempted sequences' KV waits in CPU memory ---------------
+    def swap_block_bytes(self) -> int:
+        """Bytes one KV block takes in the swap space (all layers, K and V); 0 when this backend cannot swap."""
+        return 0
+
+    def allocate_swap_space(self, num_blocks: int) -> bool:
+        """Create a CPU swap space of ``num_blocks`` blocks. :return: False when this backend cannot swap
+        (the default): preempted sequences are then recomputed."""
+        return False
+
+    def swap_out(self, blocks: list[int], swap_blocks: list[int]) -> None:
+        """Copy the KV of cache ``blocks`` into swap-space blocks ``swap_blocks`` (same order)."""
+        raise NotImplementedError(f"{type(self).__name__} has no swap space")
+
+    def swap_in(self, swap_blocks: list[int], blocks: list[int]) -> None:
+        """Copy swap-space blocks ``swap_blocks`` back into cache ``blocks`` (same order)."""
+        raise NotImplementedError(f"{type(self).__name__} has no swap space")
+
     def warmup(self) -> None:  # noqa: B027 - optional hook
         """Run a throwaway step so the first request is not slow."""
 

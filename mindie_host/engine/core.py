@@ -23,6 +23,7 @@ from .policy import SchedulerLimits, SchedulerState, StepPlan, least_urgent
 from .request import EngineRequest, RequestOutput, TokenLogprob
 from .sampling import Sampler, make_generator
 from .sequence import Sequence, SequenceStatus
+from .swap import SwapSpace
 
 log = logging.getLogger("mindie_host.engine")
 
@@ -48,6 +49,7 @@ class LLMEngine:
         limits: EngineLimits,
         hook: Any,
         config: Any,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.backend = backend
         self.info = model_info
@@ -61,6 +63,10 @@ class LLMEngine:
         self.eos_ids = set(model_info.eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        #: preempted sequences whose KV waits in the swap space (``swap``), oldest first
+        self.swapped: list[Sequence] = []
+        self.swap = swap
+        self._swaps_this_step = 0
         self.by_request: dict[str, Sequence] = {}
         self.plan_memo: dict[str, Any] = {}
         self._next_seq_id = 0
@@ -100,7 +106,7 @@ class LLMEngine:
         return self._make_output(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -131,7 +137,7 @@ class LLMEngine:
     # -- scheduling ---------------------------------------------------------------------------
     def _expire(self, now: float) -> list[RequestOutput]:
         out = []
-        for seq in [*self.running, *self.waiting]:
+        for seq in [*self.running, *self.waiting, *self.swapped]:
             timeout = seq.request.timeout
             if timeout is not None and now - seq.arrival_time > timeout:
                 seq.error = f"request timed out after {timeout:g} s"
@@ -140,6 +146,9 @@ class LLMEngine:
         return out
 
     def _schedule(self, now: float) -> StepPlan:
+        self._swaps_this_step = 0
+        if self.swapped:
+            self._swap_in()
         if len(self.waiting) > 1:
             ordered = self.hook.mindie_host_order_waiting(waiting=list(self.waiting), config=self.config, now=now)
             if ordered is not None:
@@ -227,7 +236,10 @@ class LLMEngine:
         return victim  # type: ignore[return-value]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks; it waits and is recomputed later (no request is dropped)."""
+        """Free a running sequence's blocks. With a swap space and room in this step's ``maxPreemptCount``,
+        its KV is copied out and comes back later; otherwise it waits and is recomputed (no request is dropped)."""
+        if self._swap_out(seq):
+            return
         self.kv.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
@@ -236,6 +248,52 @@ class LLMEngine:
         self.waiting.insert(0, seq)
         self.counters["preemptions"] += 1
         log.info("preempted request %s (recompute later)", seq.request_id)
+
+    # -- swap ---------------------------------------------------------------------------------
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Copy ``seq``'s computed KV to the swap space and free its cache blocks; False when it cannot."""
+        swap = self.swap
+        table = self.kv.block_table(seq)[: -(-seq.num_computed // self.kv.block_size)]
+        if (swap is None or not table or self._swaps_this_step >= swap.max_per_step
+                or swap.pool.num_free() < len(table)):
+            return False
+        seq.swap_blocks = [swap.pool.allocate() for _ in table]
+        self.backend.swap_out(table, seq.swap_blocks)
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.SWAPPED
+        seq.num_preemptions += 1
+        self.swapped.append(seq)
+        self._swaps_this_step += 1
+        self.counters["preemptions"] += 1
+        self.counters["swapped_out"] += 1
+        log.info("preempted request %s (swapped %d blocks to CPU)", seq.request_id, len(table))
+        return True
+
+    def _swap_in(self) -> None:
+        """Bring swapped sequences back, oldest first, while the cache has room for them and a next token."""
+        limit = self.scheduler_limits.max_batch_size
+        while self.swapped and len(self.running) < limit:
+            seq = self.swapped[0]
+            computed = seq.num_computed
+            seq.num_computed = 0
+            if self.kv.blocks_needed(seq, computed + 1) > self.kv.num_free_blocks():
+                seq.num_computed = computed
+                return
+            self.kv.allocate(seq, computed)
+            seq.num_computed = computed
+            self.backend.swap_in(seq.swap_blocks, self.kv.block_table(seq))
+            self._release_swap(seq)
+            self.swapped.pop(0)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.counters["swapped_in"] += 1
+
+    def _release_swap(self, seq: Sequence) -> None:
+        if self.swap is not None:
+            for block in seq.swap_blocks:
+                self.swap.pool.free(block)
+        seq.swap_blocks = []
 
     # -- forward input ------------------------------------------------------------------------
     def _build_input(self, plan: StepPlan) -> tuple[ModelInput, list[tuple[Sequence, int, int]]]:
@@ -385,7 +443,7 @@ class LLMEngine:
         The running sequences are the ones the step served; when none runs, the
         failure came from scheduling the waiting ones, so those end instead.
         """
-        victims = list(self.running) or list(self.waiting)
+        victims = list(self.running) or [*self.waiting, *self.swapped]
         outputs = []
         for seq in victims:
             seq.error = message
@@ -473,6 +531,9 @@ class LLMEngine:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self._release_swap(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -528,6 +589,8 @@ class LLMEngine:
         s: dict[str, float] = {
             "num_running": float(len(self.running)),
             "num_waiting": float(len(self.waiting)),
+            "num_swapped": float(len(self.swapped)),
+            "swap_usage": self.swap.usage() if self.swap is not None else 0.0,
         }
         s.update(self.kv.stats())
         counters = dict(self.counters)  # one C-level copy: the engine thread may be counting meanwhile

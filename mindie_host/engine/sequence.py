@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its KV in the CPU swap space
     FINISHED = "finished"
 
 
@@ -39,6 +40,9 @@ class SequenceView(Protocol):
     cache_salt: str | None
     max_new_tokens: int
     span_keys: list[tuple[int, int, bytes]] | None  # extra prefix-cache keys per token span (EngineRequest.span_keys)
+
+    @property
+    def variant(self) -> int: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -78,6 +82,7 @@ class Sequence:
         self.emitted_tokens = 0
         self.detok_state: Any = None
         self.generator: Any = None
+        self.swap_blocks: list[int] = []  # swap-space blocks holding its KV while SWAPPED
         self.seed: int | None = request.sampling.seed  # the seed sampling uses (drawn when the request has none)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -254,14 +254,14 @@ def spec_scalar_values(host: Host) -> dict[str, float]:
         "num_preemptions": stats.get("preemptions", 0.0),
         "num_requests_running": stats.get("num_running", 0.0),
         "num_requests_waiting": stats.get("num_waiting", 0.0),
-        "num_requests_swapped": 0.0,  # preempted requests are recomputed, never swapped
+        "num_requests_swapped": stats.get("num_swapped", 0.0),
         "prompt_tokens": stats.get("prompt_tokens", 0.0),
         "generation_tokens": stats.get("generation_tokens", 0.0),
         "avg_prompt_throughput_toks_per_s": metrics.prompt_throughput if metrics else 0.0,
         "avg_generation_throughput_toks_per_s": metrics.generation_throughput if metrics else 0.0,
         "failed_request_perc": failed / received if received else 0.0,
         "npu_cache_usage_perc": stats.get("kv_usage", 0.0),
-        "cpu_cache_usage_perc": 0.0,
+        "cpu_cache_usage_perc": stats.get("swap_usage", 0.0),
         "npu_prefix_cache_hit_rate": stats.get("npu_prefix_cache_hit_rate", 0.0),
     }
 

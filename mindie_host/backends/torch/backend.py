@@ -93,6 +93,7 @@ class TorchBackend(ModelBackend):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.linear_deltas: LinearDeltas | None = None
+        self.swap_space: list[torch.Tensor] = []
 
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
@@ -153,6 +154,36 @@ class TorchBackend(ModelBackend):
             self.model.enable_graphs(
                 self.kv_caches, num_blocks * block_size, self.GRAPH_MAX_SEQS, self.GRAPH_MAX_CONTEXT
             )
+
+    # -- swap space ---------------------------------------------------------------------------
+    def _block_views(self) -> list[torch.Tensor]:
+        """Every layer's K and V cache viewed as ``[blocks, block_size, KV, D]``."""
+        return [t.view(-1, self.block_size, *t.shape[-2:]) for pair in self.kv_caches for t in pair]
+
+    def swap_block_bytes(self) -> int:
+        if self.kv_int8 or not self.kv_caches:
+            return 0  # the int8 cache keeps per-slot scales beside its codes: not swapped in this version
+        return sum(v[0].numel() * v.element_size() for v in self._block_views())
+
+    def allocate_swap_space(self, num_blocks: int) -> bool:
+        if self.swap_block_bytes() == 0:
+            return False
+        pin = self.platform.device_type == "cuda"
+        self.swap_space = [torch.zeros((num_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=pin)
+                           for v in self._block_views()]
+        return True
+
+    def swap_out(self, blocks: list[int], swap_blocks: list[int]) -> None:
+        src = torch.tensor(blocks, dtype=torch.long, device=self.platform.device())
+        dst = torch.tensor(swap_blocks, dtype=torch.long)
+        for cache, swap in zip(self._block_views(), self.swap_space):
+            swap[dst] = cache.index_select(0, src).to("cpu")
+
+    def swap_in(self, swap_blocks: list[int], blocks: list[int]) -> None:
+        src = torch.tensor(swap_blocks, dtype=torch.long)
+        dst = torch.tensor(blocks, dtype=torch.long, device=self.platform.device())
+        for cache, swap in zip(self._block_views(), self.swap_space):
+            cache[dst] = swap.index_select(0, src).to(cache.device, non_blocking=True)
 
     # -- forward -----------------------------------------------------------------------------
     def execute(self, batch: ModelInput) -> torch.Tensor:
