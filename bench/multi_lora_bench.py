@@ -34,7 +34,8 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from mindie_host.api import load_arch, resolve_model
+from mindie_host.api import resolve_model
+from mindie_host.backend_api import load_arch
 from mindie_host.models.default import default_model_path
 from mindie_host.testing import RunningServer, server_config
 

@@ -1,15 +1,17 @@
-"""The public surface for plugin authors: import from here, never from engine internals.
+"""The public surface for plugin authors and embedding applications: import from here, never from internals.
 
-    from mindie_host.api import hookimpl, KVCacheManager, StepPlan, ...
+    from mindie_host.api import hookimpl, SchedulingContext, KVCacheManager, StepPlan, ...
+
+It holds the hook marker, the context types, the config types, ``Host``, the engine's request,
+sequence and scheduling types, the KV block-pool protocol and the model-backend contract
+(``ModelBackend``, ``ModelInput``, ``LinearDeltas``), and nothing backend-specific: backend plugins
+take the torch runner and its building blocks from :mod:`mindie_host.backend_api`.
 """
 
 from __future__ import annotations
 
 from . import hookimpl
 from .backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput, PayloadSlice
-from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
-from .backends.torch.backend import TorchBackend, resolve_dtype
-from .backends.torch.model import TorchLlama
 from .config import Config, ModelConfig
 from .content import MediaHandler, register_media_handler, unregister_media_handler
 from .context import (
@@ -36,8 +38,7 @@ from .engine.request import EngineRequest, RequestError, RequestOutput, Sampling
 from .engine.sequence import SequenceView
 from .host import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
-from .models.rope import Rope, rope_of
-from .models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, resolve_model
+from .models.weights import ModelSource, resolve_model
 from .tool_parsers import HermesToolParser, JsonToolParser, ToolParser, make_call
 
 __all__ = [
@@ -54,47 +55,34 @@ __all__ = [
     "RequestContext",
     "SchedulingContext",
     "DEFAULT_MODEL_NAME",
-    "AttentionMetadata",
-    "CudaPlatform",
     "EngineRequest",
     "HermesToolParser",
     "JsonToolParser",
     "KVCacheManager",
-    "LlamaArch",
     "MediaHandler",
     "ModelBackend",
     "ModelInfo",
     "ModelInput",
     "ModelSource",
     "PayloadSlice",
-    "Platform",
     "RequestError",
     "RequestOutput",
-    "Rope",
     "SamplingParams",
-    "rope_of",
     "SchedulerLimits",
     "SchedulerState",
     "SequenceView",
     "StepPlan",
     "TokenLogprob",
-    "TorchBackend",
-    "TorchLlama",
     "ToolParser",
     "admit_prefills",
-    "count_tensors",
     "default_model_path",
     "hookimpl",
-    "iter_weights",
     "least_urgent",
-    "load_arch",
     "make_call",
     "order_fcfs",
     "order_priority",
     "plan_standard",
     "register_media_handler",
-    "resolve_dtype",
     "resolve_model",
-    "select_platform",
     "unregister_media_handler",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindie_host.api import ModelSource, TorchBackend
+from mindie_host.api import ModelSource
+from mindie_host.backend_api import TorchBackend
 
 from .platform import NpuPlatform
 

@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from mindie_host.api import AttentionMetadata, ModelInput, Platform
+from mindie_host.api import ModelInput
+from mindie_host.backend_api import AttentionMetadata, Platform
 
 #: side of the compressed causal mask that ``sparse_mode=3`` (right-down causal) expects
 CAUSAL_MASK_SIZE = 2048

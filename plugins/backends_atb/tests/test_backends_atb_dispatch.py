@@ -18,7 +18,8 @@ from mindie_plugin_backends_atb.backend import AtbBackend
 from mindie_plugin_backends_atb.platform import CAUSAL_MASK_SIZE, NpuPlatform
 from standin_torch_npu import StandInTorchNpu
 
-from mindie_host.api import ModelInput, Platform, TorchBackend, resolve_model
+from mindie_host.api import ModelInput, resolve_model
+from mindie_host.backend_api import Platform, TorchBackend
 from mindie_host.testing import make_tiny_llama
 
 BLOCK = 8
@@ -110,7 +111,7 @@ def test_backends_atb_standin_records_each_named_operator(tiny_path: Path) -> No
 
 def test_backends_atb_prepare_step_block_table() -> None:
     platform = NpuPlatform(StandInTorchNpu(), device_type="cpu")
-    from mindie_host.api import AttentionMetadata
+    from mindie_host.backend_api import AttentionMetadata
 
     meta = AttentionMetadata(slot_mapping=torch.tensor([9, 17], dtype=torch.long), gather_index=torch.zeros(2, 1),
                              attn_mask=None, pad_index=None, num_seqs=2, max_query_len=1, max_context_len=18,

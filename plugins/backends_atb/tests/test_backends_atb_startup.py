@@ -21,7 +21,8 @@ from mindie_plugin_backends_atb.backend import AtbBackend, KvBudgetError
 from mindie_plugin_backends_atb.platform import NpuPlatform, NpuUnavailable, load_torch_npu
 from standin_torch_npu import StandInTorchNpu
 
-from mindie_host.api import Platform, hookimpl, resolve_model
+from mindie_host.api import hookimpl, resolve_model
+from mindie_host.backend_api import Platform
 from mindie_host.config import config_from_dict
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError, PluginHost
@@ -174,7 +175,7 @@ def test_backends_atb_serves_openai_through_standin_ops(tiny_path: Path) -> None
 
 def test_backends_atb_platform_family_and_torch_hint() -> None:
     """CPU, CUDA and NPU platforms share one abstraction; the torch backend points device 'npu' to atb."""
-    from mindie_host.api import CudaPlatform, select_platform
+    from mindie_host.backend_api import CudaPlatform, select_platform
 
     assert (CudaPlatform.name, CudaPlatform.dist_backend) == ("cuda", "nccl")
     assert (Platform.name, Platform.dist_backend) == ("cpu", "gloo")

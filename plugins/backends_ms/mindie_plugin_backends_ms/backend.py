@@ -8,17 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mindie_host.api import (
-    LlamaArch,
-    ModelBackend,
-    ModelInfo,
-    ModelInput,
-    ModelSource,
-    Platform,
-    count_tensors,
-    iter_weights,
-    load_arch,
-)
+from mindie_host.api import ModelBackend, ModelInfo, ModelInput, ModelSource
+from mindie_host.backend_api import LlamaArch, Platform, count_tensors, iter_weights, load_arch
 
 from .model import MsLlama, build_step
 from .runtime import mindspore_module

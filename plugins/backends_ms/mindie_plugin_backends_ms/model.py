@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from mindie_host.api import LlamaArch, ModelInput, rope_of
+from mindie_host.api import ModelInput
+from mindie_host.backend_api import LlamaArch, rope_of
 
 #: additive mask value for positions a query must not see (exp() underflows to exactly 0)
 MASKED = -1e9

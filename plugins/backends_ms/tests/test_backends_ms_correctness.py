@@ -18,7 +18,8 @@ import torch
 from mindie_plugin_backends_ms.backend import MsBackend
 from mindie_plugin_backends_ms.model import build_step
 
-from mindie_host.api import ModelInput, Platform, TorchBackend, default_model_path, resolve_model
+from mindie_host.api import ModelInput, default_model_path, resolve_model
+from mindie_host.backend_api import Platform, TorchBackend
 from mindie_host.testing import make_tiny_llama
 
 #: stated tolerance (README): max |logit_ms - logit_torch| at any step of a 32-token greedy run

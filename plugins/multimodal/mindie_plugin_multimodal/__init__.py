@@ -39,9 +39,9 @@ from mindie_host.api import (
     RequestError,
     register_media_handler,
     resolve_model,
-    select_platform,
     unregister_media_handler,
 )
+from mindie_host.backend_api import select_platform
 
 from .backend import MultimodalTorchBackend
 from .inputs import ImagePreprocessor, MultimodalPayload, expand, mrope_positions

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from mindie_host.api import ModelInfo, ModelInput, TorchBackend, TorchLlama
+from mindie_host.api import ModelInfo, ModelInput
+from mindie_host.backend_api import TorchBackend, TorchLlama
 
 from .inputs import ImageItem, MultimodalPayload
 from .models import ModelSpec, VisionEncoder, read_spec, read_weights, text_arch

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mindie_host.api import LlamaArch
+from mindie_host.backend_api import LlamaArch
 
 FAMILIES = {"llava": "llava", "qwen2_vl": "qwen2_vl"}
 
