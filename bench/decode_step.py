@@ -1,0 +1,78 @@
+"""Time one decode step of the default model, by batch size: the figures of PERF.md's decode-step tables.
+
+Loads the model through :class:`~mindie_host.host.Host` (the same path as ``mindie-host serve``),
+fills ``B`` sequences with ``--context`` tokens of KV, then times ``backend.execute`` on a
+decode :class:`~mindie_host.api.ModelInput` of those ``B`` sequences (one new token each),
+``--repeat`` times after two warm-up steps, on the main thread. Prints the median ms per step
+for each batch size; ``--profile B`` prints torch.profiler's operator table for one step of ``B``.
+
+    python bench/decode_step.py                                   # quantization auto, eager
+    python bench/decode_step.py --quantization none               # fp32 (round 1)
+    python bench/decode_step.py --compile                         # compiled decode steps
+    python bench/decode_step.py --batches 16 --profile 16         # where a B=16 step goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mindie_host.api import ModelInput
+from mindie_host.testing import loaded_host, server_config
+
+
+def decode_batch(batch: int, context: int, block_size: int, blocks_per_seq: int) -> ModelInput:
+    """``batch`` sequences of ``context`` cached tokens, each bringing one new token."""
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
+    return ModelInput(input_ids=[17] * batch, positions=[context] * batch, query_lens=[1] * batch,
+                      context_lens=[context + 1] * batch, block_tables=tables,
+                      logits_indices=list(range(batch)), row_variants=[-1] * batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--profile", type=int, help="print torch.profiler's operator table for one step of this batch")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    block_size = 16
+    per_seq = -(-(args.context + 1) // block_size)
+    cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
+                                     "maxKvBlocks": max(1 + max(batches) * per_seq, 65)},
+                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)})
+    host = loaded_host(cfg)
+    backend = host.backend
+    results = {}
+    for b in batches:
+        batch = decode_batch(b, args.context, block_size, per_seq)
+        for _ in range(2):
+            backend.execute(batch)
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            backend.execute(batch)
+            times.append((time.perf_counter() - t0) * 1000)
+        results[b] = round(statistics.median(times), 2)
+        print(f"B={b:3d}  context {args.context}: {results[b]:7.2f} ms/step (median of {args.repeat})", flush=True)
+    if args.profile:
+        batch = decode_batch(args.profile, args.context, block_size, per_seq)
+        with torch.profiler.profile() as prof:
+            backend.execute(batch)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    print(json.dumps({"quantization": args.quantization, "compile": args.compile, "context": args.context,
+                      "ms_per_step": results}))
+    host.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
