@@ -25,7 +25,7 @@ from ..engine.request import EngineRequest, RequestError, RequestOutput, Samplin
 from ..structured import llg, parse_structured
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .outcome import failure, finish_reason, raise_for_failure
-from .params import build_sampling
+from .params import build_sampling, copy_sampling
 from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
 
@@ -362,10 +362,7 @@ class OpenAIServer:
         reqs = []
         for p_index, (text, ids) in enumerate(prompts):
             for k in range(parsed.n):
-                sampling = SamplingParams(**{**parsed.sampling.__dict__})
-                sampling.stop = list(parsed.sampling.stop)
-                if sampling.seed is not None and parsed.n > 1:
-                    sampling.seed = sampling.seed + k
+                sampling = copy_sampling(parsed.sampling, k if parsed.n > 1 else 0)
                 reqs.append(
                     self.host.new_request(
                         protocol=PROTOCOL, body=body, sampling=sampling, prompt=text, prompt_token_ids=ids,

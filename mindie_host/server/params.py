@@ -13,6 +13,7 @@ then the spec's 1.0.RC2 table (temperature 1.0, top_k 0, top_p 1.0, penalties of
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,15 @@ def build_sampling(host: Host, values: dict[str, Any], do_sample: bool | None = 
         if value is not None:
             setattr(params, key, value)
     return params
+
+
+def copy_sampling(params: SamplingParams, seed_offset: int = 0) -> SamplingParams:
+    """An independent copy for a sibling choice (OpenAI ``n``, TGI ``best_of``): the one place a
+    sibling's seed is derived (the request's seed shifted by the choice's index)."""
+    copy = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+    if seed_offset and copy.seed is not None:
+        copy.seed = (copy.seed + seed_offset) & 0xFFFF_FFFF_FFFF_FFFF or 1
+    return copy
 
 
 def check_stop_token_ids(host: Host, ids: list[int] | None, field: str = "stop_token_ids") -> None:

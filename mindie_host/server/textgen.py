@@ -171,16 +171,6 @@ def check_adapter(host: Host, req: EngineRequest, adapter: str | None, field: st
     )
 
 
-def copy_sampling(params: SamplingParams, seed_offset: int = 0) -> SamplingParams:
-    """An independent copy (for ``best_of`` siblings), optionally with a shifted seed."""
-    copy = SamplingParams(**{**params.__dict__})
-    copy.stop = list(params.stop)
-    copy.stop_token_ids = list(params.stop_token_ids)
-    if seed_offset and copy.seed is not None:
-        copy.seed = (copy.seed + seed_offset) & 0xFFFF_FFFF_FFFF_FFFF or 1
-    return copy
-
-
 def tgi_finish_reason(out: RequestOutput) -> str:
     """TGI/MindIE finish reasons: ``length``, ``eos_token``, ``stop_sequence`` (also for a stopped request)."""
     return finish_reason(out, "tgi")

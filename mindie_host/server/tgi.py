@@ -18,12 +18,12 @@ from fastapi.responses import Response
 from .. import __version__, hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .params import copy_sampling
 from .textgen import (
     MAX_BEST_OF,
     TextGenParams,
     check_adapter,
     closing_token_id,
-    copy_sampling,
     failure,
     parse_tgi_parameters,
     pick_generate_protocol,
