@@ -55,8 +55,8 @@ def _workload() -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]
         (exact, 12),
         (exact, 12),  # the whole prompt is cached: its last block is recomputed
     ]
-    burst = [(shared + toks(rng.randrange(40, 90)), 40) for _ in range(6)]
-    burst += [(toks(150), 40) for _ in range(3)]  # no shared prefix: pushes cached blocks out
+    burst = [(shared + toks(rng.randrange(40, 90)), 64) for _ in range(6)]
+    burst += [(toks(150), 64) for _ in range(3)]  # no shared prefix: pushes cached blocks out
     after = [(shared + toks(10), 12), (exact, 12)]
     return warm, burst, after
 
@@ -99,6 +99,8 @@ def outputs_off(tiny_model: Path) -> list[Output]:
 def test_outputs_identical_with_cache_on_under_eviction_and_preemption(
     tiny_model: Path, outputs_off: list[Output]
 ) -> None:
+    # the burst's 64-token outputs outgrow 24 blocks with any two sequences running: preemption happens
+    # whatever order the requests arrive in (waiting sequences hold no blocks, so only growth can force it)
     with RunningServer(_cfg(tiny_model, on=True)) as server:
         outputs_on = _run(server)
         stats = server.wait_idle()
