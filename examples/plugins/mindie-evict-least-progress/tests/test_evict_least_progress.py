@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import mindie_evict_least_progress as plugin
 import pytest
 
-import mindie_evict_least_progress as plugin
 from mindie_host.api import EngineRequest, SamplingParams, SchedulingContext, hookimpl
 from mindie_host.plugins import PluginError
 from mindie_host.testing import loaded_host, make_tiny_llama, run_engine, server_config
