@@ -126,6 +126,11 @@ class Host:
         sc = self.config.schedule
         deploy = self.config.deploy
         on_cpu = self.info.device == "cpu"
+        if deploy.maxSeqLen > self.info.max_position_embeddings:
+            log.warning("ModelDeployConfig.maxSeqLen %d is above the model's max_position_embeddings %d: positions "
+                        "past it are extrapolated with the model's RoPE, as transformers does, and outputs there may "
+                        "degrade", deploy.maxSeqLen, self.info.max_position_embeddings)
+        self.backend.set_max_positions(deploy.maxSeqLen)
         plan = plan_kv_pool(self.config, self.backend, self.info.device)
         num_blocks, block_size = plan.num_blocks, plan.block_size
         if num_blocks * block_size < deploy.maxSeqLen:

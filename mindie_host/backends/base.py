@@ -171,6 +171,13 @@ class ModelBackend(abc.ABC):
         """
         return False
 
+    def set_max_positions(self, max_positions: int) -> None:  # noqa: B027 - optional hook
+        """The longest sequence the engine will run (``maxSeqLen``), told before the KV cache is allocated.
+
+        A backend whose position tables stop at ``max_position_embeddings`` extends them here, so a
+        ``maxSeqLen`` above it extrapolates the positions (as transformers does) instead of failing mid-stream.
+        """
+
     # -- swap space (optional): where preempted sequences' KV waits in CPU memory ---------------
     def swap_block_bytes(self) -> int:
         """Bytes one KV block takes in the swap space (all layers, K and V); 0 when this backend cannot swap."""

@@ -155,6 +155,10 @@ class TorchBackend(ModelBackend):
                 self.kv_caches, num_blocks * block_size, self.GRAPH_MAX_SEQS, self.GRAPH_MAX_CONTEXT
             )
 
+    def set_max_positions(self, max_positions: int) -> None:
+        if self.model is not None:
+            self.model.extend_rope(max_positions)
+
     # -- swap space ---------------------------------------------------------------------------
     def _block_views(self) -> list[torch.Tensor]:
         """Every layer's K and V cache viewed as ``[blocks, block_size, KV, D]``."""

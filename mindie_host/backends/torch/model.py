@@ -117,6 +117,12 @@ class TorchLlama:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
+    def extend_rope(self, positions: int) -> None:
+        """Make the cos/sin tables cover ``positions`` positions (past ``max_position_embeddings``, the same
+        frequencies continue, as transformers computes them for any position)."""
+        if positions > self.cos.shape[0]:
+            self.cos, self.sin = self._rope_tables(torch.arange(positions), rope_inv_freq(self.arch))
+
     def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[len(positions), head_dim]`` (scaled by yarn's attention factor)."""
         freqs = torch.outer(positions.to(torch.float32), inv_freq)
