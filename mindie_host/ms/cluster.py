@@ -231,7 +231,9 @@ def run_cluster(servers: int, workdir: str, port: int, server_config: dict[str, 
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    # Ctrl-C as well as SIGTERM, even when started with SIGINT ignored (a background job of a shell script)
     previous = signal.signal(signal.SIGTERM, on_signal)
+    previous_int = signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting {servers} server(s), a controller and a coordinator; logs in {cluster.workdir}/logs",
               file=sys.stderr)
@@ -252,3 +254,4 @@ def run_cluster(servers: int, workdir: str, port: int, server_config: dict[str, 
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
