@@ -835,6 +835,13 @@ def _cross_checks(c: Config, b: _Builder) -> None:
         "BackendConfig.multiNodesInferEnabled",
     )
 
+    b.need(
+        be.multiNodesInferEnabled or len(be.npuDeviceIds) == be.modelInstanceNumber,
+        "BackendConfig.npuDeviceIds", be.npuDeviceIds,
+        f"{be.modelInstanceNumber} device list(s), one per model instance (BackendConfig.modelInstanceNumber is "
+        f"{be.modelInstanceNumber})",
+        "BackendConfig.modelInstanceNumber",
+    )
     first_use: dict[str, int] = {}
     for i, m in enumerate(dep.ModelConfig):
         p = f"{D}.ModelConfig[{i}]"
@@ -849,12 +856,13 @@ def _cross_checks(c: Config, b: _Builder) -> None:
         b.need(
             first == i, f"{p}.modelName", m.modelName, f"a name no other entry uses ({D}.ModelConfig[{first}] has it)"
         )
-        if not be.multiNodesInferEnabled:
+        if not be.multiNodesInferEnabled:  # one device per rank (multi-node: the rank table lists them)
             for j, ids in enumerate(be.npuDeviceIds):
-                if len(ids) != m.worldSize:
-                    b.warn(
-                        f"BackendConfig.npuDeviceIds[{j}] lists {len(ids)} device(s) but {p}.worldSize is {m.worldSize}"
-                    )
+                b.need(
+                    len(ids) == m.worldSize, f"BackendConfig.npuDeviceIds[{j}]", ids,
+                    f"a list of {m.worldSize} device id(s), one per rank ({p}.worldSize is {m.worldSize})",
+                    f"{p}.worldSize", "BackendConfig.npuDeviceIds",
+                )
 
     # keys that must be non-empty when their feature (HTTPS, multi-node TLS ...) is on
     for obj, path in ((srv, "ServerConfig"), (be, "BackendConfig")):

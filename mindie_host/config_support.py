@@ -27,8 +27,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "Version": "the config format version; checked, then informational",
     "BackendConfig.backendName": "the spec allows one value, mindieservice_llm_engine; checked, then informational",
     "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
-    "BackendConfig.npuDeviceIds": "this host takes the device from ModelConfig.device (and worldSize), not from "
-                                  "npuDeviceIds",
     "ServerConfig.kmcKsfMaster": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
     "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
     "BackendConfig.multiNodesInferPort": "multi-node inference is not served by this version",
@@ -61,11 +59,6 @@ def unsupported(config: Config) -> list[str]:
         errors.append(
             "BackendConfig.multiNodesInferEnabled: got true; allowed false: multi-node inference is not served by "
             f"this version; {SCALE_OUT}"
-        )
-    if be.modelInstanceNumber != 1:
-        errors.append(
-            f"BackendConfig.modelInstanceNumber: got {be.modelInstanceNumber}; allowed 1 (one model instance per "
-            f"server); {SCALE_OUT}"
         )
     return errors
 

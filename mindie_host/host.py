@@ -83,23 +83,21 @@ class Host:
         errors = self.plugins.validate(cfg)
         if errors:
             raise PluginError("plugin configuration rejected:\n  " + "\n  ".join(errors))
-        if cfg.server.engineProcess:  # the model loads in the engine process (engine/process.py)
+        instances = cfg.BackendConfig.modelInstanceNumber
+        if instances > 1 and not cfg.server.engineProcess:
+            log.info("BackendConfig.modelInstanceNumber is %d: each instance runs in its own engine process "
+                     "(as with ServerConfig.engineProcess true)", instances)
+        if cfg.server.engineProcess or instances > 1:  # the model loads in engine processes (engine/process.py)
             from .engine.process import load_front_end
 
             load_front_end(self)
             return
         mc = self.model_config
-        backend = self.plugins.hook.mindie_host_model_backend(
-            backend_type=mc.backendType, model_config=mc, config=cfg
-        )
-        if backend is None:
-            known = ", ".join(self.plugins.backend_types()) or "none"
-            raise PluginError(
-                f"no installed plugin serves backendType {mc.backendType!r} (served: {known}); "
-                f"{install_hint(mc.backendType)}"
-            )
+        backend = self.create_backend()
         if progress is not None and hasattr(backend, "progress"):
             backend.progress = progress
+        if mc.worldSize > 1:
+            backend = self._parallel(backend)
         self.backend = backend
         source = resolve_model(mc.modelWeightPath or str(default_model_path()))
         self.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
@@ -109,6 +107,47 @@ class Host:
         self._attach_linear_deltas(backend, self.info)
         self._build_engine()
         self.plugins.hook.mindie_host_startup(host=self)
+
+    def create_backend(self) -> ModelBackend:
+        """The backend of ``backendType`` from the ``mindie_host_model_backend`` hook (not loaded yet)."""
+        mc = self.model_config
+        backend = self.plugins.hook.mindie_host_model_backend(
+            backend_type=mc.backendType, model_config=mc, config=self.config
+        )
+        if backend is None:
+            known = ", ".join(self.plugins.backend_types()) or "none"
+            raise PluginError(
+                f"no installed plugin serves backendType {mc.backendType!r} (served: {known}); "
+                f"{install_hint(mc.backendType)}"
+            )
+        return backend
+
+    def register_specs(self, specs: list[tuple[str, str, bytes]]) -> None:
+        """Register plugins sent from another process (``engine.process.plugin_specs``)."""
+        import importlib
+        import pickle
+
+        for name, kind, data in specs:
+            plugin = importlib.import_module(data.decode()) if kind == "module" else pickle.loads(data)
+            self.plugins.register(plugin, name)
+
+    def _parallel(self, backend: ModelBackend) -> ModelBackend:
+        """Rank 0 of ``worldSize`` tensor-parallel ranks around ``backend`` (``mindie_host.distributed``)."""
+        from .distributed.ranks import ParallelBackend, local_address, spawn_rank
+        from .engine.process import plugin_specs
+
+        mc = self.model_config
+        key = "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize"
+        errors = backend.parallel_errors(mc.worldSize, key)
+        if errors:
+            raise PluginError("config.json asks for what this server cannot do:\n  " + "\n  ".join(errors))
+        specs = plugin_specs(self)
+        config = self.config
+        return ParallelBackend(
+            backend, world_size=mc.worldSize, device_ids=list(config.BackendConfig.npuDeviceIds[0]),
+            make_worker=lambda rank, address, threads: spawn_rank(config, specs, rank, address, threads),
+            address=local_address(), dist_backend=backend.platform.dist_backend,  # type: ignore[attr-defined]
+        )
 
     def _attach_linear_deltas(self, backend: ModelBackend, info: ModelInfo) -> None:
         """Give the backend the per-row linear deltas a plugin provides (``mindie_host_linear_deltas``)."""

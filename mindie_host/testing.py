@@ -194,6 +194,16 @@ class RunningServer:
         self.stop()
 
 
+def wait_for(predicate: Any, timeout: float, what: str) -> float:
+    """Poll ``predicate()`` every 50 ms until it is true; returns the seconds it took. Fails after ``timeout`` s."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start >= timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
 def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None) -> Any:
     """A :class:`~mindie_host.host.Host` with the model loaded but no server and no worker thread.
 

@@ -314,7 +314,7 @@ def test_plugin_section_must_be_object() -> None:
         ("ServerConfig.tlsCaFile", ["a.pem", "b.pem", "c.pem"]),
         ("ServerConfig.inferMode", "dmi"),
         ("ServerConfig.openAiSupport", "openai"),
-        ("BackendConfig.npuDeviceIds", [[0, 1], [2, 3]]),
+        ("BackendConfig.npuDeviceIds", [[7]]),
         (f"{M}.modelName", "Qwen2.5-0.5B_Instruct"),
         (f"{M}.modelName", "a" * 256),
         (f"{M}.npuMemSize", -1),
@@ -482,10 +482,15 @@ def test_second_model_errors_use_its_index() -> None:
     assert info.value.key == f"{D}.ModelConfig[1].worldSize"
 
 
-def test_device_count_mismatch_is_a_warning() -> None:
-    cfg = _cfg({"BackendConfig.npuDeviceIds": [[0, 1]]})
-    assert any("npuDeviceIds[0]" in w and "worldSize" in w for w in cfg.warnings)
+def test_device_lists_must_match_world_size_and_instances() -> None:
+    with pytest.raises(ConfigError) as info:
+        _cfg({"BackendConfig.npuDeviceIds": [[0, 1]]})
+    assert info.value.key == "BackendConfig.npuDeviceIds[0]" and "1 device id(s), one per rank" in str(info.value)
     assert not _cfg({"BackendConfig.npuDeviceIds": [[0, 1]], f"{M}.worldSize": 2}).warnings
+    with pytest.raises(ConfigError) as info:
+        _cfg({"BackendConfig.npuDeviceIds": [[0], [1]]})
+    assert info.value.key == "BackendConfig.npuDeviceIds" and "one per model instance" in str(info.value)
+    assert not _cfg({"BackendConfig.npuDeviceIds": [[0], [1]], "BackendConfig.modelInstanceNumber": 2}).warnings
 
 
 def test_other_backend_name_is_a_warning() -> None:

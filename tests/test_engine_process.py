@@ -24,7 +24,7 @@ from mindie_host.api import hookimpl
 from mindie_host.engine import ipc
 from mindie_host.engine.process import EngineStartError
 from mindie_host.engine.request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, make_tiny_llama, server_config, wait_for
 
 CLIENT_TIMEOUT = 60.0
 
@@ -89,14 +89,6 @@ def _outcome(result: dict[str, Any]) -> str:
     return "completed"
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 @pytest.mark.slow  # three model loads in spawned processes: about 80 s on 2 idle cores
 def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(tiny_model: Path) -> None:
     cfg = server_config(tiny_model, server={"engineProcess": True, "engineRestartMaxRetries": 1,
@@ -113,10 +105,10 @@ def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(
         threads = [threading.Thread(target=_completion, args=(srv.url, i % 2 == 0, results)) for i in range(6)]
         for t in threads:
             t.start()
-        _wait(lambda: engine.num_active == 6 and engine.engine_stats.get("num_running", 0) >= 1, 30,
+        wait_for(lambda: engine.num_active == 6 and engine.engine_stats.get("num_running", 0) >= 1, 30,
               "six requests running")
         os.kill(engine.process.pid, signal.SIGKILL)
-        _wait(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 503, 2, "readiness 503")
+        wait_for(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 503, 2, "readiness 503")
         assert "restarting" in httpx.get(f"{mgmt}/v2/health/ready").text
         assert httpx.get(f"{mgmt}/v2/health/live").status_code == 200  # it may come back: no pod restart
         for t in threads:
@@ -125,7 +117,7 @@ def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(
         outcomes = [_outcome(r) for r in results]
         assert "failed" in outcomes  # the kill hit requests in flight, and each got a clear error
 
-        back = _wait(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 200, load_seconds + 30,
+        back = wait_for(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 200, load_seconds + 30,
                      "readiness 200 after the restart")
         assert back < load_seconds + 30
         assert engine.restarts == 1
@@ -137,7 +129,7 @@ def test_sigkill_under_load_restarts_the_engine_and_spent_budget_fails_liveness(
 
         # a second death in a row, with the budget of one restart spent: liveness fails for good
         os.kill(engine.process.pid, signal.SIGKILL)
-        _wait(lambda: httpx.get(f"{mgmt}/v2/health/live").status_code == 503, 10, "liveness 503")
+        wait_for(lambda: httpx.get(f"{mgmt}/v2/health/live").status_code == 503, 10, "liveness 503")
         assert httpx.get(f"{mgmt}/v2/health/ready").status_code == 503
         assert "engineRestartMaxRetries" in (engine.dead or "")
         refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},

@@ -171,6 +171,17 @@ class ModelBackend(abc.ABC):
         """
         return False
 
+    # -- tensor parallelism (optional): worldSize > 1 ---------------------------------------------
+    def parallel_errors(self, world_size: int, key: str) -> list[str]:
+        """Why this backend cannot run as one of ``world_size`` tensor-parallel ranks (``key`` names the
+        config key in the messages); empty when it can. Called before :meth:`load`, on rank 0 only."""
+        return [f"{key}: got {world_size}; backendType {self.backend_type!r} runs on one device only; allowed: 1"]
+
+    def bind_parallel(self, tp: Any) -> None:  # noqa: B027 - optional hook
+        """Become rank ``tp.rank`` of ``tp.world_size`` (a :class:`~mindie_host.distributed.tensor_parallel.TensorParallel`)
+        before :meth:`load`: load only this rank's slices, and run the step's collectives. Every rank
+        then gets the same calls in the same order (the host replays rank 0's on the others)."""
+
     def set_max_positions(self, max_positions: int) -> None:  # noqa: B027 - optional hook
         """The longest sequence the engine will run (``maxSeqLen``), told before the KV cache is allocated.
 

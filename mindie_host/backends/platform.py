@@ -69,6 +69,10 @@ class Platform:
         """The torch device tensors live on."""
         return torch.device(self.device_type)
 
+    def bind_device(self, index: int) -> None:  # noqa: B027 - optional hook
+        """Use device ``index`` of this platform from now on, in this process (a tensor-parallel rank's
+        device). The CPU has one device: every rank shares it."""
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory; on the CPU "free" is Linux's MemAvailable where it exists."""
         import os
@@ -285,6 +289,9 @@ class CudaPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    def bind_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
 
     def memory_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info()

@@ -79,6 +79,10 @@ def exit_reason(exitcode: int | None) -> str:
             return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"killed by signal {-exitcode}"
+    from ..distributed.ranks import RANK_FAILED_EXIT
+
+    if exitcode == RANK_FAILED_EXIT:
+        return f"exit code {exitcode}: one of its tensor-parallel ranks died"
     return f"exit code {exitcode}"
 
 
@@ -131,8 +135,28 @@ def load_front_end(host: Host) -> None:
     mc = host.model_config
     source = resolve_model(mc.modelWeightPath or str(default_model_path()))
     host.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
-    client = EngineProcessClient(host)
-    host.info = client.launch()
+    count = host.config.BackendConfig.modelInstanceNumber
+    if count == 1:
+        client: Any = EngineProcessClient(host)
+        host.info = client.launch()
+    else:  # one engine process per device group, balanced by requests in flight
+        from ..distributed.ranks import rank_threads
+        from .instances import EngineInstances
+
+        threads = rank_threads(count)
+        clients = [EngineProcessClient(host, instance_config(host.config, i), threads) for i in range(count)]
+        infos = []
+        try:
+            for i, c in enumerate(clients):
+                infos.append(c.launch())
+                log.info("model instance %d of %d ready on devices %s", i + 1, count,
+                         host.config.BackendConfig.npuDeviceIds[i])
+        except BaseException:
+            for c in clients:
+                c.stop()
+            raise
+        host.info = infos[0]
+        client = EngineInstances(host, clients)
     host.engine = client
     host.runtime.front_end_threads_before = limit_front_end_threads()
     try:
@@ -146,13 +170,28 @@ def load_front_end(host: Host) -> None:
     client.start()
 
 
+def instance_config(config: Config, index: int) -> Config:
+    """The config of model instance ``index``: device group ``npuDeviceIds[index]``, one instance."""
+    import copy
+
+    own = copy.deepcopy(config)
+    own.BackendConfig.npuDeviceIds = [list(config.BackendConfig.npuDeviceIds[index])]
+    own.BackendConfig.modelInstanceNumber = 1
+    return own
+
+
 class EngineProcessClient(AsyncEngine):
     """The front end's handle on the engine-core process: same asyncio interface as :class:`AsyncEngine`."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, config: Config | None = None, threads: int | None = None) -> None:
         super().__init__(None, plugins=host.plugins)  # type: ignore[arg-type]
         self.host = host
-        self.config = host.config
+        #: the config the engine process loads (an instance's own device group with modelInstanceNumber > 1)
+        self.config = config or host.config
+        #: compute threads of the engine process (None: every core)
+        self.threads = threads
+        #: told when this engine goes down (False) or is back (True); sets the host's readiness by default
+        self.report_ready: Callable[[bool], None] = self._set_host_ready
         self.specs = plugin_specs(host)
         self.restarts = 0
         self.engine_stats: dict[str, float] = {}
@@ -186,7 +225,7 @@ class EngineProcessClient(AsyncEngine):
         pull.bind(f"ipc://{base}-out")
         proc = self._spawn.Process(
             target=engine_core_main, name="mindie-engine-core", daemon=True,
-            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid()),
+            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid(), self.threads),
         )
         proc.start()
         try:
@@ -327,7 +366,7 @@ class EngineProcessClient(AsyncEngine):
             healthy = time.monotonic() - self._up_since >= HEALTHY_SECONDS
             self._up = False
         self.restarting = f"the engine process died: {why}"
-        self.host.ready = False  # readiness answers 503 from now on
+        self.report_ready(False)  # readiness answers 503 from now on
         message = f"the engine process died ({why}); the request was not completed"
         log.error("engine process %d died (%s); ending %d requests in flight", proc.pid, why, self.num_active)
         self._fail_all(message)
@@ -361,8 +400,16 @@ class EngineProcessClient(AsyncEngine):
                 continue
             self.restarting = None
             if not self.host.draining:
-                self.host.ready = True
+                self.report_ready(True)
             return
+
+    def _set_host_ready(self, up: bool) -> None:
+        self.host.ready = up
+
+    @property
+    def up(self) -> bool:
+        """Whether the engine process is loaded and serving."""
+        return self._up
 
     def _fail_all(self, message: str) -> None:
         outs = [
@@ -388,15 +435,21 @@ def _failed(request: EngineRequest, message: str) -> RequestOutput:
 
 # -- the engine-core process ------------------------------------------------------------------------
 def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_addr: str, out_addr: str,
-                     parent_pid: int) -> None:
+                     parent_pid: int, threads: int | None = None) -> None:
     """Entry point of the engine process: load the model as the server would, then serve steps."""
-    import importlib
-
+    from ..distributed import ranks
     from ..host import Host
     from ..logs import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
+    # this process starts the tensor-parallel ranks (worldSize > 1); it stops them itself, and they exit
+    # when it disappears (distributed/ranks.py), so multiprocessing's rule against children of daemons is lifted
+    multiprocessing.current_process().daemon = False
     setup_logging(config.LogConfig, to_stderr=True)
+    if threads:  # one of several instances: its share of the cores
+        import torch
+
+        torch.set_num_threads(threads)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
@@ -404,10 +457,9 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
     push.connect(out_addr)
     try:
         config.server.engineProcess = False  # this process is the engine
+        ranks.EXIT_ON_RANK_FAILURE = True  # a dead tensor-parallel rank ends this process: all ranks restart
         host = Host(config)
-        for name, kind, data in specs:
-            plugin = importlib.import_module(data.decode()) if kind == "module" else pickle.loads(data)
-            host.plugins.register(plugin, name)
+        host.register_specs(specs)
         host.load()
     except BaseException as exc:
         log.exception("engine process failed to load")

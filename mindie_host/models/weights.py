@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,12 +207,23 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(source: ModelSource, arch: LlamaArch | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, float32 array)`` for every tensor of the model."""
+#: Which slice of an HF-named tensor to read: ``(dim, start, stop)``, or ``None`` for all of it.
+Sharding = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_weights(
+    source: ModelSource, arch: LlamaArch | None = None, shard: Sharding | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, float32 array)`` for every tensor of the model.
+
+    With ``shard`` (a tensor-parallel rank's slicing rule), each tensor is read only as far as
+    its slice: safetensors through the file's memory map, GGUF matrices by their rows (or
+    their block-aligned columns) before dequantizing, so no rank holds a full copy.
+    """
     if source.kind == "gguf":
-        yield from _iter_gguf(source.path, arch or load_arch(source))
+        yield from _iter_gguf(source.path, arch or load_arch(source), shard)
     else:
-        yield from _iter_safetensors(source.path)
+        yield from _iter_safetensors(source.path, shard)
 
 
 def count_tensors(source: ModelSource) -> int:
@@ -230,9 +241,8 @@ def count_tensors(source: ModelSource) -> int:
     return total
 
 
-def _iter_gguf(path: Path, arch: LlamaArch) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_gguf(path: Path, arch: LlamaArch, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
-    from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(path))
     for tensor in reader.tensors:
@@ -240,12 +250,39 @@ def _iter_gguf(path: Path, arch: LlamaArch) -> Iterator[tuple[str, np.ndarray]]:
         if hf is None:
             continue
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        part = shard(hf) if shard is not None else None
+        array = _gguf_slice(tensor, shape, part)
+        # llama.cpp interleaves the rotary rows within each head, so a slice of whole heads unpermutes alone
         if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
-            array = _unpermute_rows(array, arch.num_heads)
+            array = _unpermute_rows(array, array.shape[0] // arch.head_dim)
         elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
-            array = _unpermute_rows(array, arch.num_kv_heads)
+            array = _unpermute_rows(array, array.shape[0] // arch.head_dim)
         yield hf, array
+
+
+def _gguf_slice(tensor: Any, shape: list[int], part: tuple[int, int, int] | None) -> np.ndarray:
+    """A GGUF tensor (or its ``part``) as float32, dequantizing only the bytes of the part where it can."""
+    import gguf
+    from gguf.quants import dequantize
+
+    raw, qtype = tensor.data, tensor.tensor_type
+    if part is None:
+        return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+    dim, lo, hi = part
+    if dim == 0:  # rows: the rows' bytes only
+        return np.asarray(dequantize(raw[lo:hi], qtype), dtype=np.float32).reshape([hi - lo, *shape[1:]])
+    rows = shape[0]
+    if raw.dtype != np.uint8:  # F32 / F16: elements, not blocks
+        return np.asarray(raw.reshape(shape)[:, lo:hi], dtype=np.float32)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if lo % block == 0 and hi % block == 0:  # whole quantization blocks: their bytes only
+        cols = raw[:, lo // block * size : hi // block * size]
+        return np.asarray(dequantize(np.ascontiguousarray(cols), qtype), dtype=np.float32).reshape(rows, hi - lo)
+    out = np.empty((rows, hi - lo), dtype=np.float32)
+    for r in range(0, rows, 256):  # columns across blocks: dequantize a few rows at a time
+        chunk = np.asarray(dequantize(raw[r : r + 256], qtype), dtype=np.float32).reshape(-1, shape[1])
+        out[r : r + 256] = chunk[:, lo:hi]
+    return out
 
 
 @dataclass
@@ -347,10 +384,17 @@ def _safetensor_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(directory: Path) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_safetensors(directory: Path, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
     from safetensors import safe_open
 
     for f in _safetensor_files(directory):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                yield key, st.get_tensor(key).float().numpy()
+                part = shard(key) if shard is not None else None
+                if part is None:
+                    yield key, st.get_tensor(key).float().numpy()
+                    continue
+                dim, lo, hi = part  # read through the memory map: only the slice's bytes
+                view = st.get_slice(key)
+                tensor = view[lo:hi] if dim == 0 else view[:, lo:hi]
+                yield key, tensor.float().numpy()

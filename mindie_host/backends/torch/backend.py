@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...distributed.tensor_parallel import TensorParallel, parallel_errors
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
@@ -94,6 +95,28 @@ class TorchBackend(ModelBackend):
         self.block_size = 0
         self.linear_deltas: LinearDeltas | None = None
         self.swap_space: list[torch.Tensor] = []
+        self.tp: TensorParallel | None = None
+
+    # -- tensor parallelism ------------------------------------------------------------------
+    def parallel_errors(self, world_size: int, key: str) -> list[str]:
+        errors = parallel_errors(load_arch(self.source), world_size, key)
+        if self.quantization not in ("auto", "none"):
+            errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].quantization: got {self.quantization!r} "
+                          f"with {key} {world_size}; allowed with tensor parallelism: auto, none")
+        return errors
+
+    def bind_parallel(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self.platform.bind_device(tp.device_index)
+        if self.compile_decode or self.decode_graphs:
+            if tp.rank == 0:
+                log.warning("ModelConfig.compile is true with worldSize %d: decode steps run eagerly under tensor "
+                            "parallelism in this version (their collectives are not compiled or captured)",
+                            tp.world_size)
+            self.compile_decode = self.decode_graphs = False
+        if self.quantization == "auto" and tp.rank == 0:
+            log.info("worldSize %d: each rank serves its slices dequantized (the file's 4/8-bit forms are kept only "
+                     "with worldSize 1)", tp.world_size)
 
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
@@ -101,13 +124,19 @@ class TorchBackend(ModelBackend):
         self.arch = arch
         weights: dict[str, torch.Tensor] = {}
         total = count_tensors(self.source)
-        for i, (name, array) in enumerate(iter_weights(self.source, arch), start=1):
+        tp = self.tp
+        shard = None if tp is None else (lambda name: tp.slice_of(name, arch))
+        for i, (name, array) in enumerate(iter_weights(self.source, arch, shard), start=1):
             weights[name] = torch.from_numpy(np.require(array, requirements="W"))  # GGUF floats are read-only maps
             if self.progress is not None:
                 self.progress(i, total, name)
-        stored: dict[str, Any] = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
-        stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
-        self.model = TorchLlama(arch, weights, self.platform, self.dtype, stored)
+        stored: dict[str, Any] = {}
+        if tp is None:
+            stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
+            stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
+        self.model = TorchLlama(arch, weights, self.platform, self.dtype, stored, tp)
+        if tp is not None:
+            self.arch = self.model.arch  # this rank's heads: the KV cache holds its KV heads only
         log.info(
             "loaded %s: %d layers, hidden %d, %s on %s%s",
             self.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."), self.platform.name,

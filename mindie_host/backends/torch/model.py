@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
+from ...distributed.tensor_parallel import TensorParallel
 from ...models.rope import rope_of
 from ...models.weights import FourBitGroups, LlamaArch
 from ..base import LinearDeltas, ModelInput
@@ -58,7 +59,13 @@ class TorchLlama:
         platform: Platform,
         dtype: torch.dtype,
         stored: dict[str, FourBitGroups | Int8Matrix | str] | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
+        #: this rank's place in a tensor-parallel world (``weights`` then hold its slices), or None
+        self.tp = tp
+        self.vocab_size = arch.vocab_size
+        if tp is not None:
+            arch = tp.local_arch(arch)
         self.arch = arch
         self.platform = platform
         self.dtype = dtype
@@ -84,10 +91,10 @@ class TorchLlama:
                 form = "int8"
             return platform.prepare_linear(dense.contiguous(), form)
 
-        self.embed = take("model.embed_tokens.weight")
+        self.embed = self._vocab_rows(take("model.embed_tokens.weight"))
         self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else take(
-            "lm_head.weight"
+        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else (
+            self._vocab_rows(take("lm_head.weight"))
         )
         self.layers: list[LayerWeights] = []
         for i in range(arch.num_layers):
@@ -116,6 +123,15 @@ class TorchLlama:
         self.graphs: DecodeGraphs | None = None
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def _vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """A rank's rows of the embedding or LM head, padded with zeros to the same count on every rank."""
+        if self.tp is None:
+            return table
+        rows = self.tp.vocab_rows(self.vocab_size)
+        if table.shape[0] == rows:
+            return table
+        return torch.cat([table, table.new_zeros(rows - table.shape[0], table.shape[1])]).contiguous()
 
     def extend_rope(self, positions: int) -> None:
         """Make the cos/sin tables cover ``positions`` positions (past ``max_position_embeddings``, the same
@@ -273,7 +289,14 @@ class TorchLlama:
         else:
             hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
-        return self.platform.linear(hidden, self.lm_head_linear).float()
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the whole vocabulary for final-normed ``hidden`` rows."""
+        logits = self.platform.linear(hidden, self.lm_head_linear)
+        if self.tp is not None:  # vocab-parallel: each rank computed its rows of the vocabulary
+            logits = self.tp.gather_logits(logits, self.vocab_size)
+        return logits.float()
 
     def compile_decode(self, max_seqs: int) -> None:
         """Run decode steps of up to ``max_seqs`` sequences (base model only) through ``torch.compile``.
@@ -300,7 +323,7 @@ class TorchLlama:
 
         def step(*inputs: torch.Tensor) -> torch.Tensor:  # ids, positions, rows, slots, gather index, mask
             hidden = self._decode(*inputs, kv_flat)  # type: ignore[call-arg]
-            return self.platform.linear(hidden, self.lm_head_linear).float()
+            return self.logits(hidden)
 
         max_context = min(max_context, self.arch.max_position_embeddings)
         use_graphs = self.device.type == "cuda"
@@ -351,7 +374,7 @@ class TorchLlama:
         arch, plat = self.arch, self.platform
         cos = (rope[0] if rope is not None else self.cos[pos]).unsqueeze(1)
         sin = (rope[1] if rope is not None else self.sin[pos]).unsqueeze(1)
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed, self.vocab_size)
         if embeds is not None:  # e.g. image features at their placeholder tokens
             x[embeds[0]] = embeds[1].to(x.dtype)
         n = ids.shape[0]
@@ -371,6 +394,8 @@ class TorchLlama:
             o = plat.linear(attn, layer.o_proj)
             if deltas is not None:
                 o = deltas.apply("o", li, attn, o)
+            if self.tp is not None:  # row-parallel: each rank holds a partial sum
+                o = self.tp.all_reduce(o)
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
             gu = plat.linear(h, layer.gate_up)
@@ -381,5 +406,7 @@ class TorchLlama:
             d = plat.linear(act, layer.down)
             if deltas is not None:
                 d = deltas.apply("down", li, act, d)
+            if self.tp is not None:
+                d = self.tp.all_reduce(d)
             x = x + d
         return plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)

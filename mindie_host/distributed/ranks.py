@@ -1,0 +1,320 @@
+"""The ranks of one tensor-parallel model instance, on ``torch.distributed``.
+
+Rank 0 lives where the engine lives (the engine-core process, or the server's process with
+``engineProcess: false``): there the scheduler runs once, and the backend the host sees is a
+:class:`ParallelBackend`. It wraps rank 0's own backend and, before each call that touches
+the model (``allocate_kv_cache``, ``warmup``, ``execute``, swaps, ``shutdown``), broadcasts
+the call, with its arguments (a step's whole :class:`~mindie_host.backends.base.ModelInput`),
+to the other ranks. Each of them (:func:`rank_main`, one process per rank) builds the same
+backend through the same ``mindie_host_model_backend`` hook and replays the calls in the same
+order; the decoder's collectives then line up rank by rank.
+
+Two process groups: the **step group** (``Platform.dist_backend``: gloo on CPU, NCCL on CUDA,
+HCCL on Ascend) carries the decoder's all-reduces with a timeout
+(:data:`COLLECTIVE_TIMEOUT_S`, environment ``MINDIE_HOST_COLLECTIVE_TIMEOUT_S``), so a lost
+rank never hangs a step; the **control group** (gloo, on the CPU) carries the calls, and
+waits as long as the engine is idle.
+
+Faults: a watcher thread waits on the rank processes. When one dies, rank 0 logs which and why
+and the instance fails fast: in the engine-core process, that process exits at once (taking
+the other ranks with it), and the front end's supervisor restarts every rank together; with the
+engine in the server's process, every later step fails and liveness reports the engine dead.
+A rank whose rank 0 is gone sees its control broadcast fail (or its parent change) and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
+from .tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import Config
+
+log = logging.getLogger("mindie_host.distributed")
+
+#: Seconds a step's collective may wait for the other ranks before it fails.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_HOST_COLLECTIVE_TIMEOUT_S", "300"))
+#: The control group waits for the next call while the engine is idle: effectively forever.
+_IDLE_TIMEOUT = datetime.timedelta(days=3650)
+#: Exit code of an engine-core process whose rank died (the supervisor's log shows it).
+RANK_FAILED_EXIT = 70
+#: Set in the engine-core process: a dead rank ends the process so the supervisor restarts every rank.
+EXIT_ON_RANK_FAILURE = False
+
+
+class RankFailedError(RuntimeError):
+    """A rank of this tensor-parallel instance died; the instance cannot step until it is restarted."""
+
+
+def rank_threads(world_size: int) -> int:
+    """Compute threads per rank: the cores this process may use, shared evenly among the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world_size)
+
+
+def local_address() -> str:
+    """``127.0.0.1:<free port>``: the rendezvous of ranks that all run on this machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _init_groups(backend: str, address: str, rank: int, world_size: int) -> Any:
+    """Join the world (TCP rendezvous at ``address``); returns the control group."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    return dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+
+
+class ParallelBackend(ModelBackend):
+    """Rank 0's view of a tensor-parallel instance: its own backend, with every call replayed on the other ranks.
+
+    ``make_worker`` makes the process of rank ``r`` (``r >= 1``) given the rendezvous address and
+    its compute threads; ``device_ids`` lists each rank's device (``BackendConfig.npuDeviceIds[i]``).
+    The ranks share this process's compute threads evenly.
+    """
+
+    def __init__(self, inner: ModelBackend, *, world_size: int, device_ids: list[int],
+                 make_worker: Callable[[int, str, int], Any], address: str, dist_backend: str) -> None:
+        import torch
+
+        self.inner = inner
+        self.threads = max(1, torch.get_num_threads() // world_size)
+        self.backend_type = inner.backend_type
+        self.world_size = world_size
+        self.device_ids = device_ids
+        self.make_worker = make_worker
+        self.address = address
+        self.dist_backend = dist_backend
+        self.workers: list[Any] = []
+        self.control: Any = None
+        self.failed: str | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:  # read-only facts of the inner backend (platform, dtype ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- start ------------------------------------------------------------------------------------------
+    def load(self) -> ModelInfo:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        self.workers = [self.make_worker(r, self.address, self.threads) for r in range(1, self.world_size)]
+        for proc in self.workers:
+            proc.start()
+        try:
+            self.control = self._while_ranks_live(
+                lambda: _init_groups(self.dist_backend, self.address, 0, self.world_size), "joining the world")
+            self.inner.bind_parallel(TensorParallel(0, self.world_size, None, self.device_ids[0]))
+            info = self.inner.load()
+            self._while_ranks_live(lambda: self._barrier(), "loading their slices")
+        except BaseException:
+            self._stop_workers()
+            raise
+        threading.Thread(target=self._watch, name="mindie-rank-watcher", daemon=True).start()
+        log.info("tensor parallel: %d ranks (%s), rank 0 here, ranks 1-%d in processes %s", self.world_size,
+                 self.dist_backend, self.world_size - 1, ", ".join(str(p.pid) for p in self.workers))
+        return info
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.control)
+
+    def _while_ranks_live(self, fn: Callable[[], Any], doing: str) -> Any:
+        """Run ``fn`` (a rendezvous with the other ranks) and fail as soon as one of them exits instead."""
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["value"] = fn()
+            except BaseException as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, name="mindie-rank-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = [(r, p) for r, p in enumerate(self.workers, 1) if p.exitcode is not None]
+            if dead and thread.is_alive():
+                r, p = dead[0]
+                raise RankFailedError(f"rank {r} exited ({_reason(p.exitcode)}) while the ranks were {doing}")
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
+
+    # -- faults --------------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        pending = {p.sentinel: (r, p) for r, p in enumerate(self.workers, 1)}
+        ready = wait(list(pending))
+        if self._closing:
+            return
+        rank, proc = pending[ready[0]]  # type: ignore[index]
+        proc.join(1)
+        self.failed = f"rank {rank} of {self.world_size} died ({_reason(proc.exitcode)})"
+        log.error("tensor parallel: %s; the instance stops", self.failed)
+        if EXIT_ON_RANK_FAILURE:  # the engine-core process: the supervisor restarts every rank together
+            self._stop_workers()
+            logging.shutdown()
+            os._exit(RANK_FAILED_EXIT)
+
+    def _call(self, name: str, *args: Any) -> None:
+        """Broadcast call ``name(*args)`` to the other ranks (they run it in the same order as rank 0)."""
+        import torch.distributed as dist
+
+        if self.failed is not None:
+            raise RankFailedError(f"tensor parallel instance is down: {self.failed}")
+        with self._lock:
+            dist.broadcast_object_list([(name, args)], src=0, group=self.control)
+
+    # -- the backend contract, replayed -----------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.inner.kv_cache_bytes_per_block(block_size)
+
+    def available_kv_memory(self, requested_gb: int) -> int:
+        return self.inner.available_kv_memory(requested_gb)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._call("allocate_kv_cache", num_blocks, block_size)
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+
+    def set_max_positions(self, max_positions: int) -> None:
+        self._call("set_max_positions", max_positions)
+        self.inner.set_max_positions(max_positions)
+
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        self._call("execute", batch)
+        return self.inner.execute(batch)
+
+    def warmup(self) -> None:
+        self._call("warmup")
+        self.inner.warmup()
+
+    def set_linear_deltas(self, provider: LinearDeltas | None) -> bool:
+        return False  # a provider's deltas would have to be sharded like the layers they modify
+
+    def swap_block_bytes(self) -> int:
+        return self.inner.swap_block_bytes()
+
+    def allocate_swap_space(self, num_blocks: int) -> bool:
+        self._call("allocate_swap_space", num_blocks)
+        return self.inner.allocate_swap_space(num_blocks)
+
+    def swap_out(self, blocks: list[int], swap_blocks: list[int]) -> None:
+        self._call("swap_out", blocks, swap_blocks)
+        self.inner.swap_out(blocks, swap_blocks)
+
+    def swap_in(self, swap_blocks: list[int], blocks: list[int]) -> None:
+        self._call("swap_in", swap_blocks, blocks)
+        self.inner.swap_in(swap_blocks, blocks)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self.failed is None and self.control is not None:
+            try:
+                self._call("stop")
+            except Exception as exc:  # a rank is already gone: nothing to tell it
+                log.info("tensor parallel: could not tell the ranks to stop (%s)", exc)
+        self._stop_workers()
+        self.inner.shutdown()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_workers(self) -> None:
+        self._closing = True
+        for proc in self.workers:
+            proc.join(5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+
+
+def _reason(exitcode: int | None) -> str:
+    from ..engine.process import exit_reason
+
+    return exit_reason(exitcode)
+
+
+# -- the other ranks ------------------------------------------------------------------------------------------
+def spawn_rank(config: Config, specs: list[tuple[str, str, bytes]], rank: int, address: str, threads: int) -> Any:
+    """The (unstarted) process of rank ``rank`` of ``config``'s instance, with ``threads`` compute threads."""
+    ctx = multiprocessing.get_context("spawn")
+    return ctx.Process(target=rank_main, name=f"mindie-rank-{rank}", daemon=True,
+                       args=(config, specs, rank, address, os.getpid(), threads))
+
+
+def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, address: str, parent_pid: int,
+              threads: int) -> None:
+    """A rank other than 0: build the same backend with this rank's slices, then replay rank 0's calls."""
+    import torch
+    import torch.distributed as dist
+
+    from ..host import Host
+    from ..logs import setup_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
+    setup_logging(config.LogConfig, to_stderr=True)
+    mc = config.model
+    world = mc.worldSize
+    torch.set_num_threads(threads)
+    config.server.engineProcess = False
+    host = Host(config)
+    host.register_specs(specs)
+    host.plugins.enable_from_config(config)
+    backend = host.create_backend()
+    control = _init_groups(backend.platform.dist_backend, address, rank, world)
+    backend.bind_parallel(TensorParallel(rank, world, None, config.BackendConfig.npuDeviceIds[0][rank]))
+    backend.load()
+    dist.barrier(group=control)
+    log.info("rank %d of %d loaded (pid %d)", rank, world, os.getpid())
+    while True:
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=control)
+        except Exception as exc:  # rank 0 is gone
+            if os.getppid() != parent_pid or not _parent_alive(parent_pid):
+                log.info("rank %d: rank 0 is gone; exiting", rank)
+            else:
+                log.error("rank %d: lost the control channel (%s); exiting", rank, exc)
+            os._exit(1)
+        name, args = box[0]
+        if name == "stop":
+            break
+        getattr(backend, name)(*args)
+    backend.shutdown()
+    dist.destroy_process_group()
+    time.sleep(0)
+    os._exit(0)
+
+
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
