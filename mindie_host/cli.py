@@ -101,6 +101,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(config.LogConfig, to_stderr=True)
     for warning in config.warnings:
         logging.getLogger("mindie_host.config").warning(warning)
+    if config.BackendConfig.multiNodesInferEnabled:  # a node without rank 0 runs only its ranks
+        from .distributed.node import serve_rank_node
+        from .distributed.rank_table import RankTableError, load_plan
+
+        try:
+            plan = load_plan(config.BackendConfig.multiNodesInferPort)
+        except RankTableError as exc:
+            print(f"mindie-host: {exc}", file=sys.stderr)
+            return 2
+        if not plan.is_master:
+            return serve_rank_node(config, plan)
     host = Host(config)
     progress = _Progress()
     original = host.load

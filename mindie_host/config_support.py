@@ -29,12 +29,12 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
     "ServerConfig.kmcKsfMaster": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
     "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
-    "BackendConfig.multiNodesInferPort": "multi-node inference is not served by this version",
     "ServerConfig.interCommPort": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
 }
 #: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
 NO_EFFECT_PREFIXES: dict[str, str] = {
-    "BackendConfig.interNode": "multi-node inference is not served by this version",
+    "BackendConfig.interNode": "inter-node TLS: torch.distributed's transports carry no TLS (interNodeTLSEnabled "
+                               "must be false with multi-node inference; docs/scale-out.md)",
     "ServerConfig.interComm": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
 }
 
@@ -55,10 +55,12 @@ def unsupported(config: Config) -> list[str]:
             f"ServerConfig.inferMode: got {srv.inferMode!r}; allowed 'standard' (prefill and decode in one instance): "
             "PD disaggregation ('dmi') is not served by this version"
         )
-    if be.multiNodesInferEnabled:
+    if be.multiNodesInferEnabled and be.interNodeTLSEnabled:
         errors.append(
-            "BackendConfig.multiNodesInferEnabled: got true; allowed false: multi-node inference is not served by "
-            f"this version; {SCALE_OUT}"
+            "BackendConfig.interNodeTLSEnabled: got true with multiNodesInferEnabled; allowed false: the ranks talk "
+            "over torch.distributed (gloo, NCCL, HCCL), whose transports in the standard PyTorch builds carry no "
+            "TLS; run the nodes on a private network or under IPsec/WireGuard and set interNodeTLSEnabled to false "
+            "(docs/scale-out.md)"
         )
     return errors
 

@@ -96,7 +96,7 @@ class Host:
         backend = self.create_backend()
         if progress is not None and hasattr(backend, "progress"):
             backend.progress = progress
-        if mc.worldSize > 1:
+        if mc.worldSize > 1 or cfg.BackendConfig.multiNodesInferEnabled:
             backend = self._parallel(backend)
         self.backend = backend
         source = resolve_model(mc.modelWeightPath or str(default_model_path()))
@@ -131,22 +131,40 @@ class Host:
             plugin = importlib.import_module(data.decode()) if kind == "module" else pickle.loads(data)
             self.plugins.register(plugin, name)
 
+    def world(self) -> tuple[int, dict[int, int], str]:
+        """``(world size, {local rank: device}, rendezvous address)`` of this model instance.
+
+        One node: ``worldSize`` ranks on ``npuDeviceIds[0]``, rendezvous on a free local port.
+        ``multiNodesInferEnabled``: the rank table's world (``RANKTABLEFILE``; mindie_host/distributed/rank_table.py).
+        """
+        be, mc = self.config.BackendConfig, self.model_config
+        if be.multiNodesInferEnabled:
+            from .distributed.rank_table import load_plan
+
+            plan = load_plan(be.multiNodesInferPort)
+            return plan.world_size, plan.local, plan.address
+        from .distributed.ranks import local_address
+
+        return mc.worldSize, dict(enumerate(be.npuDeviceIds[0])), local_address()
+
     def _parallel(self, backend: ModelBackend) -> ModelBackend:
-        """Rank 0 of ``worldSize`` tensor-parallel ranks around ``backend`` (``mindie_host.distributed``)."""
-        from .distributed.ranks import ParallelBackend, local_address, spawn_rank
+        """Rank 0 of the instance's tensor-parallel ranks around ``backend`` (``mindie_host.distributed``)."""
+        from .distributed.ranks import ParallelBackend, spawn_rank
         from .engine.process import plugin_specs
 
-        mc = self.model_config
-        key = "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize"
-        errors = backend.parallel_errors(mc.worldSize, key)
+        world, local, address = self.world()
+        key = ("the rank table's device count (RANKTABLEFILE)" if self.config.BackendConfig.multiNodesInferEnabled
+               else "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize")
+        errors = backend.parallel_errors(world, key)
         if errors:
             raise PluginError("config.json asks for what this server cannot do:\n  " + "\n  ".join(errors))
         specs = plugin_specs(self)
         config = self.config
         return ParallelBackend(
-            backend, world_size=mc.worldSize, device_ids=list(config.BackendConfig.npuDeviceIds[0]),
-            make_worker=lambda rank, address, threads: spawn_rank(config, specs, rank, address, threads),
-            address=local_address(), dist_backend=backend.platform.dist_backend,  # type: ignore[attr-defined]
+            backend, world_size=world, local=local, address=address,
+            make_worker=lambda rank, device, addr, threads: spawn_rank(config, specs, rank, world, device, addr,
+                                                                       threads),
+            dist_backend=backend.platform.dist_backend,  # type: ignore[attr-defined]
         )
 
     def _attach_linear_deltas(self, backend: ModelBackend, info: ModelInfo) -> None:

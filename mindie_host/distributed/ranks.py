@@ -48,6 +48,8 @@ log = logging.getLogger("mindie_host.distributed")
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_HOST_COLLECTIVE_TIMEOUT_S", "300"))
 #: The control group waits for the next call while the engine is idle: effectively forever.
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
+#: Seconds of idleness after which rank 0 checks that every rank still answers (finds lost ranks of other nodes).
+HEARTBEAT_S = 1.0
 #: Exit code of an engine-core process whose rank died (the supervisor's log shows it).
 RANK_FAILED_EXIT = 70
 #: Set in the engine-core process: a dead rank ends the process so the supervisor restarts every rank.
@@ -87,20 +89,22 @@ def _init_groups(backend: str, address: str, rank: int, world_size: int) -> Any:
 class ParallelBackend(ModelBackend):
     """Rank 0's view of a tensor-parallel instance: its own backend, with every call replayed on the other ranks.
 
-    ``make_worker`` makes the process of rank ``r`` (``r >= 1``) given the rendezvous address and
-    its compute threads; ``device_ids`` lists each rank's device (``BackendConfig.npuDeviceIds[i]``).
-    The ranks share this process's compute threads evenly.
+    ``local`` maps the ranks of this node (rank 0 among them) to their devices
+    (``BackendConfig.npuDeviceIds[0]``, or the rank table's); ranks of other nodes are started
+    there (:mod:`mindie_host.distributed.node`). ``make_worker(rank, device, address, threads)``
+    makes the process of a local rank ``>= 1``. The local ranks share this process's compute
+    threads evenly.
     """
 
-    def __init__(self, inner: ModelBackend, *, world_size: int, device_ids: list[int],
-                 make_worker: Callable[[int, str, int], Any], address: str, dist_backend: str) -> None:
+    def __init__(self, inner: ModelBackend, *, world_size: int, local: dict[int, int],
+                 make_worker: Callable[[int, int, str, int], Any], address: str, dist_backend: str) -> None:
         import torch
 
         self.inner = inner
-        self.threads = max(1, torch.get_num_threads() // world_size)
+        self.threads = max(1, torch.get_num_threads() // len(local))
         self.backend_type = inner.backend_type
         self.world_size = world_size
-        self.device_ids = device_ids
+        self.local = local
         self.make_worker = make_worker
         self.address = address
         self.dist_backend = dist_backend
@@ -109,6 +113,7 @@ class ParallelBackend(ModelBackend):
         self.failed: str | None = None
         self._closing = False
         self._lock = threading.Lock()
+        self._last_call = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:  # read-only facts of the inner backend (platform, dtype ...)
         if name == "inner":
@@ -120,21 +125,23 @@ class ParallelBackend(ModelBackend):
         import torch
 
         torch.set_num_threads(self.threads)
-        self.workers = [self.make_worker(r, self.address, self.threads) for r in range(1, self.world_size)]
+        self.ranks = sorted(r for r in self.local if r != 0)
+        self.workers = [self.make_worker(r, self.local[r], self.address, self.threads) for r in self.ranks]
         for proc in self.workers:
             proc.start()
         try:
             self.control = self._while_ranks_live(
                 lambda: _init_groups(self.dist_backend, self.address, 0, self.world_size), "joining the world")
-            self.inner.bind_parallel(TensorParallel(0, self.world_size, None, self.device_ids[0]))
+            self.inner.bind_parallel(TensorParallel(0, self.world_size, None, self.local[0]))
             info = self.inner.load()
             self._while_ranks_live(lambda: self._barrier(), "loading their slices")
         except BaseException:
             self._stop_workers()
             raise
         threading.Thread(target=self._watch, name="mindie-rank-watcher", daemon=True).start()
-        log.info("tensor parallel: %d ranks (%s), rank 0 here, ranks 1-%d in processes %s", self.world_size,
-                 self.dist_backend, self.world_size - 1, ", ".join(str(p.pid) for p in self.workers))
+        threading.Thread(target=self._heartbeat, name="mindie-rank-heartbeat", daemon=True).start()
+        log.info("tensor parallel: %d ranks (%s), rank 0 here, local ranks %s in processes %s", self.world_size,
+                 self.dist_backend, self.ranks, [p.pid for p in self.workers])
         return info
 
     def _barrier(self) -> None:
@@ -156,7 +163,7 @@ class ParallelBackend(ModelBackend):
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            dead = [(r, p) for r, p in enumerate(self.workers, 1) if p.exitcode is not None]
+            dead = [(r, p) for r, p in zip(self.ranks, self.workers) if p.exitcode is not None]
             if dead and thread.is_alive():
                 r, p = dead[0]
                 raise RankFailedError(f"rank {r} exited ({_reason(p.exitcode)}) while the ranks were {doing}")
@@ -168,7 +175,9 @@ class ParallelBackend(ModelBackend):
     def _watch(self) -> None:
         from multiprocessing.connection import wait
 
-        pending = {p.sentinel: (r, p) for r, p in enumerate(self.workers, 1)}
+        pending = {p.sentinel: (r, p) for r, p in zip(self.ranks, self.workers)}
+        if not pending:  # every other rank is on another node: a lost one shows as a failed step
+            return
         ready = wait(list(pending))
         if self._closing:
             return
@@ -181,14 +190,40 @@ class ParallelBackend(ModelBackend):
             logging.shutdown()
             os._exit(RANK_FAILED_EXIT)
 
+    def _heartbeat(self) -> None:
+        """While idle, broadcast a no-op every :data:`HEARTBEAT_S`: a rank lost on another node fails it."""
+        while not self._closing and self.failed is None:
+            time.sleep(HEARTBEAT_S)
+            if time.monotonic() - self._last_call >= HEARTBEAT_S and not self._closing:
+                try:
+                    self._call("ping")
+                except RankFailedError:
+                    return
+
     def _call(self, name: str, *args: Any) -> None:
         """Broadcast call ``name(*args)`` to the other ranks (they run it in the same order as rank 0)."""
         import torch.distributed as dist
 
         if self.failed is not None:
             raise RankFailedError(f"tensor parallel instance is down: {self.failed}")
-        with self._lock:
-            dist.broadcast_object_list([(name, args)], src=0, group=self.control)
+        try:
+            with self._lock:
+                self._last_call = time.monotonic()
+                dist.broadcast_object_list([(name, args)], src=0, group=self.control)
+        except Exception as exc:
+            self._lost(f"the control broadcast of {name!r} failed ({exc})")
+
+    def _lost(self, why: str) -> None:
+        """A collective failed: a rank (perhaps on another node) is gone; the instance stops."""
+        if self._closing:  # stopping anyway: the ranks are going
+            raise RankFailedError(f"tensor parallel instance is stopping: {why}")
+        self.failed = self.failed or why
+        log.error("tensor parallel: %s; the instance stops", self.failed)
+        if EXIT_ON_RANK_FAILURE:
+            self._stop_workers()
+            logging.shutdown()
+            os._exit(RANK_FAILED_EXIT)
+        raise RankFailedError(f"tensor parallel instance is down: {self.failed}")
 
     # -- the backend contract, replayed -----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -207,7 +242,11 @@ class ParallelBackend(ModelBackend):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         self._call("execute", batch)
-        return self.inner.execute(batch)
+        try:
+            return self.inner.execute(batch)
+        except Exception as exc:  # the ranks may now be out of step: only a restart of all of them is safe
+            self._lost(f"a step failed on rank 0 ({type(exc).__name__}: {exc})")
+            raise
 
     def warmup(self) -> None:
         self._call("warmup")
@@ -261,15 +300,17 @@ def _reason(exitcode: int | None) -> str:
 
 
 # -- the other ranks ------------------------------------------------------------------------------------------
-def spawn_rank(config: Config, specs: list[tuple[str, str, bytes]], rank: int, address: str, threads: int) -> Any:
-    """The (unstarted) process of rank ``rank`` of ``config``'s instance, with ``threads`` compute threads."""
+def spawn_rank(config: Config, specs: list[tuple[str, str, bytes]], rank: int, world: int, device: int,
+               address: str, threads: int, joined: Any = None) -> Any:
+    """The (unstarted) process of rank ``rank`` of ``world`` on ``device``, with ``threads`` compute threads;
+    ``joined`` (a multiprocessing Event) is set once it has loaded its slices and met the other ranks."""
     ctx = multiprocessing.get_context("spawn")
     return ctx.Process(target=rank_main, name=f"mindie-rank-{rank}", daemon=True,
-                       args=(config, specs, rank, address, os.getpid(), threads))
+                       args=(config, specs, rank, world, device, address, os.getpid(), threads, joined))
 
 
-def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, address: str, parent_pid: int,
-              threads: int) -> None:
+def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, world: int, device: int, address: str,
+              parent_pid: int, threads: int, joined: Any = None) -> None:
     """A rank other than 0: build the same backend with this rank's slices, then replay rank 0's calls."""
     import torch
     import torch.distributed as dist
@@ -279,8 +320,6 @@ def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, ad
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
     setup_logging(config.LogConfig, to_stderr=True)
-    mc = config.model
-    world = mc.worldSize
     torch.set_num_threads(threads)
     config.server.engineProcess = False
     host = Host(config)
@@ -288,9 +327,11 @@ def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, ad
     host.plugins.enable_from_config(config)
     backend = host.create_backend()
     control = _init_groups(backend.platform.dist_backend, address, rank, world)
-    backend.bind_parallel(TensorParallel(rank, world, None, config.BackendConfig.npuDeviceIds[0][rank]))
+    backend.bind_parallel(TensorParallel(rank, world, None, device))
     backend.load()
     dist.barrier(group=control)
+    if joined is not None:
+        joined.set()
     log.info("rank %d of %d loaded (pid %d)", rank, world, os.getpid())
     while True:
         box: list[Any] = [None]
@@ -305,7 +346,8 @@ def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, ad
         name, args = box[0]
         if name == "stop":
             break
-        getattr(backend, name)(*args)
+        if name != "ping":  # rank 0's heartbeat while idle
+            getattr(backend, name)(*args)
     backend.shutdown()
     dist.destroy_process_group()
     time.sleep(0)
