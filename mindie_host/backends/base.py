@@ -79,6 +79,13 @@ class LinearDeltas(Protocol):
     in which any ``batch.row_variants`` is >= 0, then :meth:`apply` after each named
     projection of each layer. Steps where every row is ``-1`` never touch it, so the
     base model keeps its fast paths (compiled and graph-captured decode).
+
+    Under tensor parallelism (``worldSize`` > 1) the host sends the provider, pickled, to every
+    rank, and again whenever its optional integer attribute ``version`` changes (bump it whenever
+    the deltas' weights change, e.g. an adapter loaded at run time); a provider without
+    ``version`` cannot run with ``worldSize`` > 1. Each rank calls it with full-width inputs and
+    outputs and keeps its own slice (:class:`~mindie_host.distributed.tensor_parallel.ShardedDeltas`),
+    so a delta must be linear in ``x`` (as LoRA's ``x A^T B^T`` is).
     """
 
     def prepare(self, batch: ModelInput) -> None:

@@ -114,6 +114,8 @@ class ParallelBackend(ModelBackend):
         self._closing = False
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
+        self.deltas = None
+        self._deltas_sent = -1
 
     def __getattr__(self, name: str) -> Any:  # read-only facts of the inner backend (platform, dtype ...)
         if name == "inner":
@@ -241,6 +243,10 @@ class ParallelBackend(ModelBackend):
         self.inner.set_max_positions(max_positions)
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
+        deltas = self.deltas
+        if deltas is not None and deltas.version != self._deltas_sent and any(v >= 0 for v in batch.row_variants):
+            self._deltas_sent = deltas.version
+            self._call("set_linear_deltas", deltas)  # the provider's weights changed: every rank gets them
         self._call("execute", batch)
         try:
             return self.inner.execute(batch)
@@ -253,7 +259,17 @@ class ParallelBackend(ModelBackend):
         self.inner.warmup()
 
     def set_linear_deltas(self, provider: LinearDeltas | None) -> bool:
-        return False  # a provider's deltas would have to be sharded like the layers they modify
+        """Rank 0 applies ``provider`` here; the other ranks get it pickled before the first step that needs it,
+        and again whenever its ``version`` changes. A provider without ``version`` cannot be kept in step."""
+        if provider is not None and not isinstance(getattr(provider, "version", None), int):
+            log.error("tensor parallel: the linear-delta provider %s has no integer 'version' attribute, so its "
+                      "changes cannot be sent to the other ranks", type(provider).__name__)
+            return False
+        if not self.inner.set_linear_deltas(provider):
+            return False
+        self.deltas: Any = provider
+        self._deltas_sent = -1
+        return True
 
     def swap_block_bytes(self) -> int:
         return self.inner.swap_block_bytes()

@@ -124,3 +124,43 @@ def parallel_errors(arch: Any, world_size: int, key: str) -> list[str]:
         f"{key}: got {world_size}; it must divide the model's {', '.join(bad)} (tensor parallelism splits them "
         f"evenly); allowed: {', '.join(map(str, allowed))}"
     ]
+
+
+class ShardedDeltas:
+    """A rank's view of a :class:`~mindie_host.backends.base.LinearDeltas` provider written for the whole model.
+
+    Column-parallel projections (``qkv``, ``gate_up``): the provider computes the full-width delta
+    from the (full) input and the rank keeps its rows' columns. Row-parallel ones (``o``,
+    ``down``): the rank's input slice is zero-padded to full width, so the provider's delta is this
+    rank's partial sum, completed by the all-reduce that follows the projection (exact for deltas
+    linear in the input, as LoRA's are).
+    """
+
+    def __init__(self, provider: Any, tp: TensorParallel, arch: Any) -> None:
+        self.provider = provider
+        self.tp = tp
+        hd = arch.head_dim
+        self.q, self.kv = arch.num_heads * hd, arch.num_kv_heads * hd
+        self.inter = arch.intermediate_size
+        self.q_span = tuple(x * hd for x in tp.span(arch.num_heads))
+        self.kv_span = tuple(x * hd for x in tp.span(arch.num_kv_heads))
+        self.i_span = tp.span(arch.intermediate_size)
+
+    def prepare(self, batch: Any) -> None:
+        self.provider.prepare(batch)
+
+    def apply(self, name: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if name == "qkv":
+            full = self.provider.apply(name, layer, x, x.new_zeros(n, self.q + 2 * self.kv))
+            q, k, v = full.split([self.q, self.kv, self.kv], dim=-1)
+            (qa, qb), (ka, kb) = self.q_span, self.kv_span
+            return y + torch.cat([q[:, qa:qb], k[:, ka:kb], v[:, ka:kb]], dim=-1)
+        if name == "gate_up":
+            gate, up = self.provider.apply(name, layer, x, x.new_zeros(n, 2 * self.inter)).chunk(2, dim=-1)
+            lo, hi = self.i_span
+            return y + torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=-1)
+        width, (lo, hi) = (self.q, self.q_span) if name == "o" else (self.inter, self.i_span)
+        padded = x.new_zeros(n, width)
+        padded[:, lo:hi] = x
+        return self.provider.apply(name, layer, padded, y)  # this rank's partial delta, summed by the all-reduce

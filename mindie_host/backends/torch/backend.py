@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...distributed.tensor_parallel import TensorParallel, parallel_errors
+from ...distributed.tensor_parallel import ShardedDeltas, TensorParallel, parallel_errors
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
@@ -96,6 +96,7 @@ class TorchBackend(ModelBackend):
         self.linear_deltas: LinearDeltas | None = None
         self.swap_space: list[torch.Tensor] = []
         self.tp: TensorParallel | None = None
+        self.full_arch: LlamaArch | None = None  # the whole model's shape (self.arch is this rank's under TP)
 
     # -- tensor parallelism ------------------------------------------------------------------
     def parallel_errors(self, world_size: int, key: str) -> list[str]:
@@ -121,7 +122,7 @@ class TorchBackend(ModelBackend):
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
         arch = load_arch(self.source)
-        self.arch = arch
+        self.arch = self.full_arch = arch
         weights: dict[str, torch.Tensor] = {}
         total = count_tensors(self.source)
         tp = self.tp
@@ -244,6 +245,9 @@ class TorchBackend(ModelBackend):
                 "whose norms and projections were rescaled per channel; serve the floating-point model with "
                 "quantization 'w8a8', or write the checkpoint with `mindie-host quantize --no-smooth`"
             )
+        if provider is not None and self.tp is not None:  # each rank applies its slice of the deltas
+            assert self.full_arch is not None
+            provider = ShardedDeltas(provider, self.tp, self.full_arch)
         self.linear_deltas = provider
         return True
 

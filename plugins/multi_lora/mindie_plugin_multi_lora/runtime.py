@@ -98,6 +98,8 @@ class LoraRuntime:
             for m in modules:
                 self.b_pool[m] = torch.zeros(L, slots, R, dims.features(m)[1], device=self.device, dtype=dtype)
         self._step: _Step | None = None
+        #: bumped whenever a slot's weights change (the host re-sends the runtime to tensor-parallel ranks)
+        self.version = 0
         self.steps = 0
         self.max_slots_in_step = 0
         self.max_kinds_in_step = 0  # distinct adapters plus the base model, in one step
@@ -113,11 +115,13 @@ class LoraRuntime:
             r = a.shape[0]
             self.a_pool[group][layer, slot, j * R : j * R + r].copy_(a.to(self.dtype))
             self.b_pool[module][layer, slot, :r].copy_(b.t().to(self.dtype))
+        self.version += 1
 
     def clear_slot(self, slot: int) -> None:
         """Zero every pool row of ``slot``."""
         for pool in [*self.a_pool.values(), *self.b_pool.values()]:
             pool[:, slot].zero_()
+        self.version += 1
 
     def pool_bytes(self) -> int:
         """Device memory held by the pools."""
