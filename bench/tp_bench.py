@@ -11,6 +11,7 @@ so both runs use every core and no more. Peak RSS (``VmHWM``) is read per proces
 
     python bench/tp_bench.py                 # worlds 1,2 at c=1,16; writes bench/results/tp.json
     python bench/tp_bench.py --model default --worlds 1,3   # the default model: TP3 (9 heads, 3 KV heads)
+    python bench/tp_bench.py --allreduce     # gloo all-reduce latency between 2 processes (the TP model's alpha)
 """
 
 from __future__ import annotations
@@ -77,15 +78,58 @@ def peak_rss_mib(pid: int) -> dict[str, float]:
     return out
 
 
+def _allreduce_rank(rank: int, address: str, sizes: list[int], out: object) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
+    result = {}
+    for n in sizes:
+        t = torch.ones(n)
+        for _ in range(20):
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(t)
+        result[n] = (time.perf_counter() - start) / 200 * 1e6
+    if rank == 0:
+        out.put(result)  # type: ignore[attr-defined]
+    dist.destroy_process_group()
+
+
+def allreduce_latency() -> dict[int, float]:
+    """Microseconds per gloo all-reduce of n float32 values between 2 processes (1 thread each)."""
+    import multiprocessing
+
+    from mindie_host.distributed.ranks import local_address
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, address = ctx.Queue(), local_address()
+    sizes = [576, 16 * 576, 64 * 576, 512 * 576]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, address, sizes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--conc", default="1,16")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--allreduce", action="store_true", help="only measure gloo all-reduce latency")
     ap.add_argument("--model", default="/tmp/mindie-tp-bench-llama",
                     help="an HF directory (written here first if absent), or 'default'")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp.json"))
     args = ap.parse_args()
+    if args.allreduce:
+        for n, us in allreduce_latency().items():
+            print(f"all-reduce of {n} float32 ({n * 4 / 1024:.1f} KiB) between 2 processes: {us:.0f} us")
+        return 0
     if args.model != "default" and not Path(args.model, "config.json").exists():
         from mindie_host.testing import make_tiny_llama
 

@@ -53,6 +53,9 @@ def test_two_instances_share_the_load_and_fail_alone(tiny_model: Path) -> None:
         served = [c.engine_stats.get("requests_received", 0) for c in instances.clients]
         assert all(n > 0 for n in served) and sum(served) == 8, served  # both instances served requests
         assert srv.host.stats()["requests_received"] == 8  # /metrics sums the instances
+        status = httpx.get(f"{srv.management_url}/v1/status").json()["resource"]
+        assert status["availSlotsNum"] == 2 * cfg["BackendConfig"]["ScheduleConfig"]["maxBatchSize"]
+        assert status["availBlockNum"] == sum(c.engine_stats["kv_blocks_free"] for c in instances.clients)
 
         os.kill(pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 10

@@ -123,7 +123,8 @@ def static_config(host: Host, full: bool = False) -> dict[str, Any]:
 def dynamic_status(host: Host) -> dict[str, Any]:
     """``/v1/status`` (spec §3.5) for a mixed (non-PD) deployment."""
     stats = read_stats(host)
-    free_slots = max(0, host.config.schedule.maxBatchSize - int(stats.get("num_running", 0)))
+    slots = host.config.schedule.maxBatchSize * host.config.BackendConfig.modelInstanceNumber  # instances summed
+    free_slots = max(0, slots - int(stats.get("num_running", 0)))
     role = host.runtime.pd_role
     status: dict[str, Any] = {
         "service": {

@@ -125,6 +125,15 @@ class NpuPlatform(Platform):
         return self._ops
 
     # -- device facts ---------------------------------------------------------------------------
+    def bind_device(self, index: int) -> None:
+        """Use NPU ``index`` in this process (a tensor-parallel rank's ``npuDeviceIds`` entry), as
+        ``torch.npu.set_device`` does; HCCL then binds the rank to it. Unverified here: no NPU."""
+        if self.device_type == "npu":
+            import torch
+
+            self.ops  # noqa: B018 - importing torch_npu registers torch.npu
+            torch.npu.set_device(index)  # type: ignore[attr-defined]
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of NPU memory, from ``torch.npu.mem_get_info``."""
         source = self._mem_get_info

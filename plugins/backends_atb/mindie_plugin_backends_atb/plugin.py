@@ -5,6 +5,7 @@ Importing this module needs neither torch_npu nor an NPU; asking for the backend
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from mindie_host import hookimpl
@@ -29,7 +30,7 @@ def mindie_host_backend_types() -> list[str]:
 
 @hookimpl
 def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
-    """Refuse what the NPU path cannot do: another device, float32, worldSize > 1, unknown options."""
+    """Refuse what the NPU path cannot do: another device, float32, unknown options (worldSize > 1: a warning)."""
     if model_config.backendType != BACKEND_TYPE:
         return []
     errors: list[str] = []
@@ -41,8 +42,10 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
                       "attention, which takes float16 or bfloat16; allowed: \"auto\" (float16), \"float16\", "
                       "\"bfloat16\"")
     if model_config.worldSize != 1:
-        errors.append(f"ModelConfig.worldSize is {model_config.worldSize}; backendType 'atb' runs on one NPU in "
-                      "this version (tensor parallelism over HCCL is not implemented yet); allowed: 1")
+        logging.getLogger("mindie_host.plugins.atb").warning(
+            "ModelConfig.worldSize is %d: tensor parallelism over HCCL on backendType 'atb' is written to torch_npu's "
+            "API (torch.npu.set_device per rank, the 'hccl' process group) and unverified: no NPU was available "
+            "where it was built", model_config.worldSize)
     if model_config.quantization not in ("auto", "none"):
         errors.append(f"ModelConfig.quantization is {model_config.quantization!r}; backendType 'atb' has no int8 "
                       "kernels in this version; allowed: \"auto\" or \"none\"")

@@ -85,7 +85,6 @@ def test_backends_atb_torch_npu_present_but_no_device(monkeypatch: pytest.Monkey
     [
         ({"device": "cpu"}, {}, "ModelConfig.device"),
         ({"dtype": "float32"}, {}, "ModelConfig.dtype"),
-        ({"worldSize": 2}, {}, "ModelConfig.worldSize"),
         ({"quantization": "w8a16"}, {}, "ModelConfig.quantization"),
         ({"kvCacheDtype": "int8"}, {}, "ModelConfig.kvCacheDtype"),
         ({"compile": True}, {}, "ModelConfig.compile"),
