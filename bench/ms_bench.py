@@ -7,8 +7,8 @@ short and the coordinator's share shows) behind a coordinator, all real processe
   connections, alternating direct and through the coordinator; reports p50 of each and the p50 of the
   paired differences (the added latency per request);
 * throughput: ``-c`` clients in flight (default 64) sending ``--tput-requests`` requests of
-  ``--tput-tokens`` tokens (``ignore_eos``), direct, through the coordinator, direct again; reports
-  requests/s and the ratio to the mean of the two direct runs.
+  ``--tput-tokens`` tokens (``ignore_eos``), direct and through the coordinator in turn, ``--rounds``
+  times; reports every run's requests/s and the ratio of the medians.
 
 ``affinity``: two servers on the default model (``--dtype``) with the ``prefix_cache`` plugin, a multi-turn chat load
 (``--conversations`` in parallel, ``--turns`` each, a distinct ~``--system-tokens`` system prompt per
@@ -72,16 +72,18 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
         diffs = [v - d for d, v in zip(lat["direct"], lat["coordinator"])]
         print(f"latency p50 direct {1e3 * statistics.median(lat['direct']):.2f} ms, coordinator "
               f"{1e3 * statistics.median(lat['coordinator']):.2f} ms", file=sys.stderr, flush=True)
-        tput = {}
-        for name, url in (("direct", direct), ("coordinator", via), ("direct_again", direct)):
-            tput[name] = asyncio.run(throughput(url, args.concurrency, args.tput_requests, args.tput_tokens))
-            print(f"throughput {name}: {tput[name]:.2f} req/s", file=sys.stderr, flush=True)
-    base = (tput["direct"] + tput["direct_again"]) / 2
+        runs: dict[str, list[float]] = {"direct": [], "coordinator": []}
+        for _ in range(args.rounds):  # alternating, so a slow spell of the machine hits both
+            for name, url in (("direct", direct), ("coordinator", via)):
+                runs[name].append(asyncio.run(throughput(url, args.concurrency, args.tput_requests, args.tput_tokens)))
+                print(f"throughput {name}: {runs[name][-1]:.2f} req/s", file=sys.stderr, flush=True)
+    medians = {name: statistics.median(v) for name, v in runs.items()}
     return {
         "latency_ms": {"direct_p50": 1e3 * statistics.median(lat["direct"]),
                        "coordinator_p50": 1e3 * statistics.median(lat["coordinator"]),
                        "added_p50": 1e3 * statistics.median(diffs), "added_p90": 1e3 * pct(diffs, 0.9)},
-        "throughput_req_s": tput, "throughput_ratio": tput["coordinator"] / base,
+        "throughput_req_s": runs, "throughput_median_req_s": medians,
+        "throughput_ratio": medians["coordinator"] / medians["direct"],
     }
 
 
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("-c", "--concurrency", type=int, default=64)
     o.add_argument("--tput-requests", type=int, default=640)
     o.add_argument("--tput-tokens", type=int, default=16)
+    o.add_argument("--rounds", type=int, default=3, help="alternating direct / coordinator throughput runs")
     a = sub.add_parser("affinity")
     a.add_argument("--conversations", type=int, default=8)
     a.add_argument("--turns", type=int, default=4)

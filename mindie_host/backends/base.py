@@ -82,10 +82,10 @@ class LinearDeltas(Protocol):
 
     Under tensor parallelism (``worldSize`` > 1) the host sends the provider, pickled, to every
     rank, and again whenever its optional integer attribute ``version`` changes (bump it whenever
-    the deltas' weights change, e.g. an adapter loaded at run time); a provider without
+    the deltas' weights change, e.g. a variant registered at run time); a provider without
     ``version`` cannot run with ``worldSize`` > 1. Each rank calls it with full-width inputs and
     outputs and keeps its own slice (:class:`~mindie_host.distributed.tensor_parallel.ShardedDeltas`),
-    so a delta must be linear in ``x`` (as LoRA's ``x A^T B^T`` is).
+    so a delta must be linear in ``x`` (a low-rank product ``x A^T B^T`` is).
     """
 
     def prepare(self, batch: ModelInput) -> None:

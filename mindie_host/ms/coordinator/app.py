@@ -68,17 +68,11 @@ class Coordinator:
         self.scheduler = Scheduler(self.table, self.router, max_requests=config.max_requests,
                                    single_node_max_requests=config.single_node_max_requests,
                                    reordering=config.reordering_type, schedule_timeout=config.schedule_timeout)
-        timeout = config.http_timeout_seconds
         data_link = config.tls["mindie_client"]
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30),
-            timeout=httpx.Timeout(connect=timeout, read=None, write=timeout, pool=None),
-            verify=data_link.client_context(), headers={"user-agent": config.user_agent}, trust_env=False,
-        )
         mgmt_link = config.tls["mindie_mangment"]
         self.mgmt_client = httpx.AsyncClient(verify=mgmt_link.client_context(), trust_env=False,
                                              headers={"user-agent": config.user_agent})
-        self.forwarder = Forwarder(config, self.scheduler, self.client, data_link.scheme)
+        self.forwarder = Forwarder(config, self.scheduler, data_link.client_context(), data_link.scheme)
         self.metrics = MetricsAggregator(self.mgmt_client, config.reuse_time, mgmt_link.scheme,
                                          timeout=config.http_timeout_seconds)
 
@@ -87,7 +81,7 @@ class Coordinator:
         return bool(self.table.available())
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.forwarder.aclose()
         await self.mgmt_client.aclose()
 
     def user_app(self) -> Starlette:

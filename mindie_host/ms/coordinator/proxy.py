@@ -1,7 +1,7 @@
 """Forwarding user requests to an instance, bytes in and bytes out, streams as they arrive.
 
 A request is admitted (``max_requests``), given an instance (:class:`~.limits.Scheduler`) and
-sent with a pooled :class:`httpx.AsyncClient`. Until the first byte of the answer reaches the
+sent with a pooled :class:`aiohttp.ClientSession`. Until the first byte of the answer reaches the
 user nothing is lost, so a request whose instance fails before that (connection refused or
 reset, the server dying mid-generation, a 503 from a draining server) is sent to another
 instance, at most ``max_retry`` more times; the failed instance leaves rotation. A complete
@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl as ssl_module
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -128,16 +129,36 @@ class LengthStats:
 class Forwarder:
     """Sends user requests to instances and their answers back."""
 
-    def __init__(self, config: CoordinatorConfig, scheduler: Scheduler, client: httpx.AsyncClient,
+    def __init__(self, config: CoordinatorConfig, scheduler: Scheduler, ssl: ssl_module.SSLContext | bool = True,
                  scheme: str = "http") -> None:
         self.config = config
         self.scheduler = scheduler
-        self.client = client
+        self.ssl = ssl
+        self._session: aiohttp.ClientSession | None = None
         self.scheme = scheme
         self.routing_chat = config.algorithm_type == "cache_affinity"
         self.retries = 0
         self.failed_streams = 0
         self.sizes = LengthStats()
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        """The pooled client to the instances, made on first use inside the running loop."""
+        if self._session is None:
+            timeout = self.config.http_timeout_seconds
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ssl=self.ssl),
+                timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout, sock_read=None),
+                headers={"user-agent": self.config.user_agent}, auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "Content-Type"),  # forward the user's headers, add none
+                trust_env=False,
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.body_limit_bytes
@@ -214,7 +235,7 @@ class Forwarder:
         url = f"{self.scheme}://{inst.ip}:{inst.port}{request.url.path}"
         if request.url.query:
             url += "?" + request.url.query
-        upstream: httpx.Response | None = None
+        upstream: aiohttp.ClientResponse | None = None
         released = False
 
         def release() -> None:
@@ -224,33 +245,33 @@ class Forwarder:
                 self.scheduler.release(inst, info)
 
         try:
-            req = self.client.build_request(request.method, url, content=body, headers=headers)
             try:
-                upstream = await _within(deadline, self.client.send(req, stream=True))
-            except httpx.TransportError as exc:
+                upstream = await _within(deadline, self.client.request(request.method, url, data=body,
+                                                                       headers=headers))
+            except aiohttp.ClientError as exc:
                 inst.mark_failed(f"{type(exc).__name__}: {exc}")
                 raise _Retry(f"{type(exc).__name__}: {exc or 'connection failed'}") from None
             except (asyncio.TimeoutError, TimeoutError):
                 raise Refused(total_message, 504) from None
-            if upstream.status_code == 503:
-                await upstream.aclose()
+            if upstream.status == 503:
+                upstream.release()
                 raise _Retry("the instance answered 503 (not ready or overloaded)")
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers["server"] = self.config.server_name
             if "content-length" in upstream.headers:  # a complete answer: pass it on whole
                 try:
-                    content = await _within(deadline, upstream.aread())
-                except httpx.TransportError as exc:
+                    content = await _within(deadline, upstream.read())
+                except aiohttp.ClientError as exc:
                     inst.mark_failed(f"{type(exc).__name__}: {exc}")
                     raise _Retry(f"{type(exc).__name__} while reading the answer") from None
                 except (asyncio.TimeoutError, TimeoutError):
                     raise Refused(total_message, 504) from None
                 finally:
-                    await upstream.aclose()
+                    upstream.release()
                     release()
                 self.sizes.add_output(len(content) // BYTES_PER_TOKEN)
-                return Response(content, status_code=upstream.status_code, headers=out_headers)
-            chunks = upstream.aiter_raw()
+                return Response(content, status_code=upstream.status, headers=out_headers)
+            chunks = upstream.content.iter_any().__aiter__()
             first_deadline = deadline
             if self.config.first_token_timeout:
                 first = asyncio.get_running_loop().time() + self.config.first_token_timeout
@@ -259,7 +280,7 @@ class Forwarder:
                 first_chunk = await _within(first_deadline, chunks.__anext__())
             except StopAsyncIteration:
                 first_chunk = b""
-            except httpx.TransportError as exc:
+            except aiohttp.ClientError as exc:
                 inst.mark_failed(f"{type(exc).__name__}: {exc}")
                 raise _Retry(f"{type(exc).__name__} before the first chunk") from None
             except (asyncio.TimeoutError, TimeoutError):
@@ -267,19 +288,22 @@ class Forwarder:
                 raise Refused(total_message if hit_total else FIRST_TOKEN_TIMEOUT, 504) from None
         except BaseException:
             if upstream is not None:
-                await upstream.aclose()
+                upstream.close()
             release()
             raise
         content_type = upstream.headers.get("content-type", "")
         stream = upstream
 
         async def close() -> None:
-            await stream.aclose()
+            if stream.content.at_eof():
+                stream.release()  # read to the end: the connection goes back to the pool
+            else:
+                stream.close()  # the user left mid-stream: drop the connection
             release()
             self.scheduler.leave()
 
         return _RelayResponse(self._relay(inst, chunks, first_chunk, deadline, path, content_type, total_message),
-                              close, status_code=upstream.status_code, headers=out_headers)
+                              close, status_code=upstream.status, headers=out_headers)
 
     async def _relay(self, inst: Instance, chunks: AsyncIterator[bytes], first: bytes, deadline: float | None,
                      path: str, content_type: str, total_message: str) -> AsyncIterator[bytes]:
@@ -296,7 +320,7 @@ class Forwarder:
                     return
                 count += 1
                 yield chunk
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             self.failed_streams += 1
             inst.mark_failed(f"{type(exc).__name__} mid-stream")
             log.warning("instance %d (%s) failed mid-stream: %s", inst.id, inst.base_url, type(exc).__name__)

@@ -188,6 +188,7 @@ def test_backends_ms_refuses_unsupported_config_at_startup(
 
     cfg = _cfg(tiny_path, "ms", plugins)
     cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(model)
+    cfg["BackendConfig"]["npuDeviceIds"] = [list(range(model.get("worldSize", 1)))]  # one device per rank
     host = Host(config_from_dict(cfg))
     with pytest.raises(PluginError, match=needle) as info:
         host.load()
