@@ -71,26 +71,9 @@ def build_config(args: argparse.Namespace) -> Config:
     return config_from_dict(data, source_path=cfg_path)
 
 
-class _Progress:
-    """A one-line progress bar for model loading."""
-
-    def __init__(self) -> None:
-        self.last = -1
-
-    def __call__(self, done: int, total: int, name: str) -> None:
-        pct = int(100 * done / max(total, 1))
-        if pct != self.last and sys.stderr.isatty() or done == total:
-            bar = "#" * (pct // 4)
-            sys.stderr.write(f"\rloading weights [{bar:<25}] {pct:3d}% ({done}/{total})")
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-            self.last = pct
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from .host import Host
-    from .logs import setup_logging
+    from .logs import LoadProgress, setup_logging
     from .server.runner import serve_with_engine_on_main_thread
 
     try:
@@ -113,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not plan.is_master:
             return serve_rank_node(config, plan)
     host = Host(config)
-    progress = _Progress()
+    progress = LoadProgress()
     original = host.load
     host.load = lambda progress_cb=None: original(progress)  # type: ignore[method-assign]
     try:

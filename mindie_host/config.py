@@ -393,7 +393,9 @@ class ServerConfig:
     * ``bodyReadTimeoutSeconds``: a business request whose body has not all arrived this
       long after its headers gets 408; the body is read before a ``maxLinkNum`` slot is taken.
     * ``engineProcess``: run the engine core (scheduler, KV manager, model) in its own
-      process, supervised by the HTTP front end (docs/architecture.md).
+      process, supervised by the HTTP front end (docs/architecture.md). Default true;
+      false steps the engine on a thread of the server's process (no supervision: an
+      engine that dies stays dead), for debugging and white-box tests.
     * ``engineRestartMaxRetries``: with ``engineProcess``, how many times in a row a dead
       engine process is restarted before liveness fails (0: never restart).
     * ``engineRestartBackoffSeconds``: the wait before the first restart; it doubles with
@@ -446,7 +448,7 @@ class ServerConfig:
     shutdownDrainSeconds: float = _key(30.0, _num(0, 3600))
     headerReadTimeoutSeconds: float = _key(10.0, _num(0, 3600, lo_open=True))
     bodyReadTimeoutSeconds: float = _key(30.0, _num(0, 3600, lo_open=True))
-    engineProcess: bool = _key(False, _BOOL)
+    engineProcess: bool = _key(True, _BOOL)
     engineRestartMaxRetries: int = _key(3, _int(0, 100))
     engineRestartBackoffSeconds: float = _key(1.0, _num(0, 600))
 

@@ -123,6 +123,38 @@ def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]
     """
 
 
+@hookspec(firstresult=True)
+def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str, payload: Any) -> Any | None:
+    """Run one of a plugin's own commands where the engine lives, between two steps.
+
+    The front end asks with ``await host.engine_command(target, command, payload)``
+    (a management route loading a LoRA adapter, say); the call runs on the engine
+    thread, or in the engine process when ``engineProcess`` is on, so the plugin
+    can change state that only exists beside the model (adapter slots, pools).
+
+    :param target: the plugin the command is for: answer only when it is
+        ``ctx.plugin``, and return ``None`` otherwise.
+    :param command: the plugin's own command name.
+    :param payload: the command's arguments (plain data, or anything picklable).
+    :return: the answer (not ``None``; plain data or anything picklable). It
+        reaches the caller once per engine instance (a list).
+    :raises mindie_host.api.RequestError: reaches the caller with its status and
+        field. Any other exception is logged in the engine and reaches the caller
+        as a 500 without its text. firstresult.
+    """
+
+
+@hookspec
+def mindie_host_engine_restarted(ctx: LifecycleContext, host: Host) -> None:
+    """Called in the front end when the supervisor has brought a dead engine process back.
+
+    The new engine process was built from ``config.json`` alone: state that
+    plugins changed at run time through :func:`mindie_host_engine_command` is gone
+    (``multi_lora`` forgets the adapters loaded at run time). Called on the
+    supervisor's thread before readiness answers 200 again. Not firstresult.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # request parsing
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +191,20 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
     :param host: the running host.
     :raises mindie_host.api.RequestError: to refuse the request with a 4xx that
         names the field. Called for every plugin; not firstresult.
+    """
+
+
+@hookspec
+def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> None:
+    """Called when the engine accepts a request into its waiting queue, before any step runs it.
+
+    :param request: the request as the engine will run it: with ``engineProcess``
+        this is the engine process's own copy, the object that
+        :func:`mindie_host_request_finished` later receives (the one refined in
+        the front end stays there).
+    :raises mindie_host.api.RequestError: fails this request alone with its
+        message (for example when what the front end resolved no longer exists
+        in the engine). Called on the engine thread; keep it cheap. Not firstresult.
     """
 
 

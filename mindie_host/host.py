@@ -90,7 +90,7 @@ class Host:
         if cfg.server.engineProcess or instances > 1:  # the model loads in engine processes (engine/process.py)
             from .engine.process import load_front_end
 
-            load_front_end(self)
+            load_front_end(self, show_progress=progress is not None)
             return
         mc = self.model_config
         backend = self.create_backend()
@@ -400,6 +400,17 @@ class Host:
             raise RequestError("The service has been stopped.", status=503)
         async for out in self.engine.generate(request):
             yield out
+
+    async def engine_command(self, target: str, command: str, payload: Any = None) -> list[Any]:
+        """Run plugin ``target``'s ``command`` where the engine lives (``mindie_host_engine_command``).
+
+        For plugins whose state sits beside the model: the answer of every engine
+        instance, in order (one with a single instance). A refusal raises its
+        :class:`RequestError`; a stopped or restarting engine gives 503.
+        """
+        if self.engine is None:
+            raise RequestError("The service is not ready.", status=503)
+        return await self.engine.command(target, command, payload)
 
     async def generate_full(self, request: EngineRequest) -> RequestOutput:
         """Run ``request`` to the end and return its last output, with every token id and all logprobs."""

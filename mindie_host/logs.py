@@ -162,3 +162,20 @@ def setup_logging(log_config: Any, to_stderr: bool = True) -> None:
         handler._mindie_host_shared = True  # type: ignore[attr-defined]
     for name in _adopted:
         _share(root, logging.getLogger(name))
+
+
+class LoadProgress:
+    """A one-line progress bar for model loading, on stderr (``mindie-host serve``; the engine process too)."""
+
+    def __init__(self) -> None:
+        self.last = -1
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        pct = int(100 * done / max(total, 1))
+        if pct != self.last and sys.stderr.isatty() or done == total:
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\rloading weights [{bar:<25}] {pct:3d}% ({done}/{total})")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.last = pct

@@ -130,8 +130,9 @@ class RunningServer:
         from .host import Host
 
         self.config = config_from_dict(config)
-        if os.environ.get("MINDIE_HOST_TEST_ENGINE_PROCESS") == "1":  # run a test file against the engine process
-            self.config.server.engineProcess = True
+        forced = os.environ.get("MINDIE_HOST_TEST_ENGINE_PROCESS")  # "0"/"1": run a test file in one mode
+        if forced in ("0", "1"):
+            self.config.server.engineProcess = forced == "1"
         self.host = Host(self.config)
         for plugin, name in plugins or []:
             self.host.plugins.register(plugin, name)
@@ -176,6 +177,11 @@ class RunningServer:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        """Run coroutine ``coro`` on the server's event loop (``host.engine_command`` ...) and return its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Wait until no request is active and return the engine stats."""
         deadline = time.monotonic() + timeout
@@ -194,6 +200,24 @@ class RunningServer:
         self.stop()
 
 
+def rank_pids(engine_pid: int) -> list[int]:
+    """The tensor-parallel rank processes an engine process started (Linux ``/proc``; rank 0 is the engine)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) != engine_pid:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"multiprocessing" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
 def wait_for(predicate: Any, timeout: float, what: str) -> float:
     """Poll ``predicate()`` every 50 ms until it is true; returns the seconds it took. Fails after ``timeout`` s."""
     start = time.monotonic()
@@ -207,11 +231,14 @@ def wait_for(predicate: Any, timeout: float, what: str) -> float:
 def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None) -> Any:
     """A :class:`~mindie_host.host.Host` with the model loaded but no server and no worker thread.
 
-    Drive its engine synchronously with :func:`run_engine`.
+    The engine is built in this process (``ServerConfig.engineProcess`` false), so
+    ``host.llm`` and ``host.backend`` are there: drive it synchronously with :func:`run_engine`.
     """
     from .host import Host
 
-    host = Host(config_from_dict(config))
+    cfg = config_from_dict(config)
+    cfg.server.engineProcess = False
+    host = Host(cfg)
     for plugin, name in plugins or []:
         host.plugins.register(plugin, name)
     host.load()

@@ -39,15 +39,29 @@ INTERNAL = ("Traceback", "Error:", "KeyError", "TypeError", "ValueError", "Index
             "AttributeError", "RecursionError", "UnicodeEncodeError", "AssertionError", "File \"")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Iterator[RunningServer]:
-    cfg = server_config(
+def _config(tiny_model: Path, **server: Any) -> dict[str, Any]:
+    return server_config(
         tiny_model,
-        server={"maxLinkNum": 2, "headerReadTimeoutSeconds": SLOW, "bodyReadTimeoutSeconds": SLOW},
+        server={"maxLinkNum": 2, "headerReadTimeoutSeconds": SLOW, "bodyReadTimeoutSeconds": SLOW, **server},
         schedule={"maxIterTimes": 16, "maxBatchSize": 16, "maxPrefillBatchSize": 8},
         model={"modelName": MODEL},
     )
-    with RunningServer(cfg) as srv:
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[RunningServer]:
+    with RunningServer(_config(tiny_model)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def in_process_server(tiny_model: Path) -> Iterator[RunningServer]:
+    """The engine on a thread of the server's process, where a test can wrap its sampler (fault injection).
+
+    With the engine in its own process the same isolation is shown through plugin faults
+    (tests/test_engine_process_plugins.py).
+    """
+    with RunningServer(_config(tiny_model, engineProcess=False)) as srv:
         yield srv
 
 
@@ -89,8 +103,9 @@ def test_extreme_sampling_values_never_kill_the_engine(server: RunningServer) ->
     alive(server)
 
 
-def test_a_fault_while_serving_one_sequence_fails_only_that_request(server: RunningServer) -> None:
+def test_a_fault_while_serving_one_sequence_fails_only_that_request(in_process_server: RunningServer) -> None:
     """A sampler fault on one row ends that request with an error; the stream beside it runs to its end."""
+    server = in_process_server
     llm = server.host.llm
     original = llm.sampler.sample
     marker_seed = 4242
@@ -132,7 +147,8 @@ def test_a_fault_while_serving_one_sequence_fails_only_that_request(server: Runn
 
 
 def test_liveness_and_readiness_fail_when_the_engine_loop_dies(tiny_model: Path) -> None:
-    with RunningServer(server_config(tiny_model)) as srv:
+    """engineProcess false: no supervisor brings an engine thread back, so liveness fails at once."""
+    with RunningServer(server_config(tiny_model, server={"engineProcess": False})) as srv:
         assert httpx.get(srv.management_url + "/v2/health/live", timeout=30).status_code == 200
         engine = srv.host.engine
 

@@ -22,6 +22,9 @@ import pytest
 
 from mindie_host.testing import RunningServer, server_config
 
+#: the engine on a thread of the server's process, where a test can wrap the backend's execute
+IN_PROCESS = {"engineProcess": False}
+
 MARKER_IDS = [1000, 2000, 3000, 1000, 2000, 3000]
 
 
@@ -51,7 +54,8 @@ def wait_blocks_free(server: RunningServer, timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[RunningServer]:
-    with RunningServer(server_config(tiny_model)) as srv:
+    # the engine in this process: these tests wrap the backend to inject faults
+    with RunningServer(server_config(tiny_model, server=IN_PROCESS)) as srv:
         yield srv
 
 
@@ -136,7 +140,7 @@ def test_backend_exception_fails_only_that_batch(server: RunningServer) -> None:
 
 
 def test_request_timeout_cancels_and_frees(tiny_model: Path) -> None:
-    cfg = server_config(tiny_model, server={"requestTimeoutSeconds": 0.5})
+    cfg = server_config(tiny_model, server={"requestTimeoutSeconds": 0.5, **IN_PROCESS})
     with RunningServer(cfg) as srv:
         backend = srv.host.backend
         assert backend is not None
@@ -216,7 +220,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_model: Path, tmp_path
 
 def test_drain_timeout_ends_requests_that_do_not_finish(tiny_model: Path) -> None:
     """A stop waits at most shutdownDrainSeconds; what is still running then ends with a normal final event."""
-    srv = RunningServer(server_config(tiny_model, server={"shutdownDrainSeconds": 0.5})).start()
+    srv = RunningServer(server_config(tiny_model, server={"shutdownDrainSeconds": 0.5, **IN_PROCESS})).start()
     backend = srv.host.backend
     assert backend is not None
     original = backend.execute

@@ -20,7 +20,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def limited(tiny_model: Path) -> Iterator[RunningServer]:
-    cfg = server_config(tiny_model, server={"maxLinkNum": 1, "maxRequestBodyBytes": 4096, "apiKey": API_KEY})
+    cfg = server_config(tiny_model, server={"maxLinkNum": 1, "maxRequestBodyBytes": 4096, "apiKey": API_KEY,
+                                            "engineProcess": False})  # a test holds the backend
     with RunningServer(cfg) as server:
         yield server
 

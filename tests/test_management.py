@@ -276,7 +276,7 @@ def test_plugin_gauges_reach_both_exporters(tiny_server: RunningServer) -> None:
 
 # -- stopService ---------------------------------------------------------------------------------
 def test_stop_service_drains_then_stops(tiny_model: Path) -> None:
-    server = RunningServer(server_config(tiny_model)).start()
+    server = RunningServer(server_config(tiny_model, server={"engineProcess": False})).start()  # holds the backend
     backend = server.host.backend
     assert backend is not None
     original = backend.execute

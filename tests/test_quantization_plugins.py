@@ -38,7 +38,8 @@ def _cfg(model: Path, plugins: str) -> dict[str, Any]:
     model_cfg: dict[str, Any] = {"quantization": "w8a8"}
     if plugins:
         model_cfg["plugin_params"] = json.dumps({"plugin_type": plugins})
-    return server_config(model, model=model_cfg, schedule=sched, deploy={"maxSeqLen": 512, "maxInputTokenLen": 400})
+    return server_config(model, model=model_cfg, schedule=sched, deploy={"maxSeqLen": 512, "maxInputTokenLen": 400},
+                         server={"engineProcess": False})  # _run checks the backend's layer type in this process
 
 
 def _complete(client: openai.OpenAI, prompt: list[int], max_tokens: int, delay: float) -> Output:

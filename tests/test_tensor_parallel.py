@@ -26,7 +26,15 @@ from mindie_host.engine.request import EngineRequest
 from mindie_host.engine.sampling import SamplingParams
 from mindie_host.models.weights import iter_weights, load_arch, resolve_model
 from mindie_host.plugins import PluginError
-from mindie_host.testing import RunningServer, loaded_host, make_tiny_llama, run_engine, server_config, wait_for
+from mindie_host.testing import (
+    RunningServer,
+    loaded_host,
+    make_tiny_llama,
+    rank_pids,
+    run_engine,
+    server_config,
+    wait_for,
+)
 
 CLIENT_TIMEOUT = 90.0
 BOTH_PLUGINS = {"plugin_params": json.dumps({"plugin_type": "prefix_cache,splitfuse"})}
@@ -114,22 +122,6 @@ def test_quantized_serving_schemes_are_refused_with_tensor_parallelism(tiny8: Pa
         loaded_host(_config(tiny8, 2, model={"quantization": "w8a16"}))
 
 
-def _rank_pids(engine_pid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == engine_pid:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"multiprocessing" in f.read():
-                        pids.append(int(entry))
-    return pids
-
-
 def _stream(url: str, results: list[dict[str, Any]]) -> None:
     body = {"model": "tiny", "prompt": "tell me a long story", "max_tokens": 600, "ignore_eos": True, "stream": True}
     try:
@@ -146,7 +138,7 @@ def test_sigkill_of_one_rank_fails_fast_and_all_ranks_restart(tiny8: Path) -> No
     with RunningServer(cfg, timeout=180) as srv:
         load_seconds = time.monotonic() - started
         engine, mgmt = srv.host.engine, srv.management_url
-        ranks = _rank_pids(engine.process.pid)
+        ranks = rank_pids(engine.process.pid)
         assert len(ranks) == 1  # rank 0 is the engine process itself; rank 1 is its child
         results: list[dict[str, Any]] = []
         threads = [threading.Thread(target=_stream, args=(srv.url, results)) for _ in range(4)]
@@ -171,7 +163,7 @@ def test_sigkill_of_one_rank_fails_fast_and_all_ranks_restart(tiny8: Path) -> No
         back = wait_for(lambda: httpx.get(f"{mgmt}/v2/health/ready").status_code == 200, load_seconds + 30,
                      "readiness 200 after the restart")
         assert back < load_seconds + 30 and engine.restarts == 1
-        assert engine.process.pid != old_engine and len(_rank_pids(engine.process.pid)) == 1
+        assert engine.process.pid != old_engine and len(rank_pids(engine.process.pid)) == 1
         again = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                            timeout=CLIENT_TIMEOUT)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4

@@ -14,11 +14,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from .commands import CommandRefused, answer, run_command, settle
 from .core import LLMEngine
 
 if TYPE_CHECKING:
     from ..plugins import PluginHost
-from .request import EngineRequest, RequestError, RequestOutput
+from .request import EngineRequest, RequestError, RequestOutput, failed_output
 
 log = logging.getLogger("mindie_host.engine")
 
@@ -121,6 +122,18 @@ class AsyncEngine:
         """Run ``fn(engine)`` on the worker thread between steps (for plugins and management)."""
         self._post(("call", fn))
 
+    async def command(self, target: str, command: str, payload: Any = None) -> list[Any]:
+        """Run plugin ``target``'s ``command`` on the engine thread between steps (``mindie_host_engine_command``).
+
+        Returns one answer per engine (here: one); a refusal raises its :class:`RequestError`.
+        """
+        if self.dead:
+            raise RequestError(f"engine is not running: {self.dead}", status=503)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._post(("command", (target, command, payload, loop, done)))
+        return [answer(await done)]
+
     def _post(self, item: tuple[str, Any]) -> None:
         with self._lock:
             self._inbox.append(item)
@@ -136,7 +149,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(payload)
                 except Exception as exc:
-                    outputs.append(_failed(payload, str(exc)))
+                    outputs.append(failed_output(payload, exc))
             elif kind == "abort":
                 out = self.engine.abort(payload)
                 if out is not None:
@@ -146,6 +159,13 @@ class AsyncEngine:
                     payload(self.engine)
                 except Exception:
                     log.exception("engine call failed")
+            elif kind == "command":
+                target, command, args, loop, done = payload
+                result = run_command(self.plugins, target, command, args)
+                try:
+                    loop.call_soon_threadsafe(settle, done, result)
+                except RuntimeError:  # the caller's loop is closed
+                    pass
         return outputs
 
     def _run(self) -> None:
@@ -169,7 +189,19 @@ class AsyncEngine:
         finally:
             if self._stopping:
                 self._fail_all("The service has been stopped.")
+            self._refuse_commands(self.dead or "The service has been stopped.")
             self._stopped.set()
+
+    def _refuse_commands(self, message: str) -> None:
+        """Answer the commands still queued once the worker has stopped, so no caller waits for ever."""
+        with self._lock:
+            commands = [payload for kind, payload in self._inbox if kind == "command"]
+            self._inbox = [item for item in self._inbox if item[0] != "command"]
+        for _target, _command, _args, loop, done in commands:
+            try:
+                loop.call_soon_threadsafe(settle, done, CommandRefused(message, 503))
+            except RuntimeError:
+                pass
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; if it raises, only the sequences it was serving fail and the loop goes on."""
@@ -213,9 +245,3 @@ def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) ->
     for queue, out in items:
         queue.put_nowait(out)
 
-
-def _failed(request: EngineRequest, message: str) -> RequestOutput:
-    return RequestOutput(
-        request.request_id, [], "", "", [], len(request.prompt_token_ids),
-        finished=True, finish_reason="error", error=message,
-    )

@@ -78,6 +78,8 @@ class LLMEngine:
         """Queue a tokenized request. Lengths must already be validated by the caller."""
         if request.request_id in self.by_request:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        # plugins see the engine's own request object (a copy, with engineProcess); one may refuse it here
+        self.hook.mindie_host_request_arrived(request=request)
         # the front end refused an explicit max_tokens the prompt leaves no room for (Host.new_request); what
         # is left here is the spec's cut at maxIterTimes and, without max_tokens, the room the prompt leaves:
         # a request stopped by either ends with finish reason "length"

@@ -10,6 +10,7 @@ at least one instance is; an instance that dies fails only its own requests and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,14 @@ class EngineInstances:
 
     def abort_all(self) -> int:
         return sum(c.abort_all() for c in self.clients)
+
+    async def command(self, target: str, command: str, payload: Any = None) -> list[Any]:
+        """Run a plugin's engine command in every instance (each holds its own copy of the plugin's state)."""
+        down = [i for i, c in enumerate(self.clients) if not c.up]
+        if down:
+            raise RequestError(f"model instance(s) {down} are restarting; retry shortly", status=503)
+        answers = await asyncio.gather(*(c.command(target, command, payload) for c in self.clients))
+        return [a for one in answers for a in one]
 
     def call(self, fn: Callable[[Any], Any]) -> None:
         self.clients[0].call(fn)  # refuses: the engines live in other processes

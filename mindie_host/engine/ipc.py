@@ -7,8 +7,10 @@ encodes field by field. Three request fields may hold arbitrary Python objects
 pickled blob next to the plain fields, so the common request costs no pickle.
 
 Front end -> engine: ``(ADD, request, blob)``, ``(ABORT, request_id)``, ``(ABORT_ALL,)``,
+``(COMMAND, id, blob)`` (a plugin's engine command, :mod:`mindie_host.engine.commands`),
 ``(SHUTDOWN,)``. Engine -> front end: ``(READY, info_blob)``, ``(OUTPUTS, [outputs...], stats)``
-once per step, ``(FAILED, message)`` when the engine could not start.
+once per step, ``(RESULT, id, blob)`` per command, ``(FAILED, message)`` when the engine
+could not start. Command arguments and answers are pickled: plugins choose what they send.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import msgspec
 
 from .request import EngineRequest, RequestOutput
 
-ADD, ABORT, ABORT_ALL, SHUTDOWN = "add", "abort", "abort_all", "shutdown"
-READY, OUTPUTS, FAILED = "ready", "outputs", "failed"
+ADD, ABORT, ABORT_ALL, COMMAND, SHUTDOWN = "add", "abort", "abort_all", "command", "shutdown"
+READY, OUTPUTS, RESULT, FAILED = "ready", "outputs", "result", "failed"
 
 #: Request fields that may hold any Python object; pickled only when set.
 OPAQUE_FIELDS = ("logits_constraint", "payload", "extras")
@@ -65,3 +67,13 @@ def decode_outputs(frame: bytes) -> list[RequestOutput]:
 def decode(frame: bytes) -> Any:
     """A msgpack frame as plain Python values."""
     return _decoder.decode(frame)
+
+
+def encode_blob(kind: str, ident: int, value: Any) -> list[bytes]:
+    """Frames of a ``COMMAND`` or ``RESULT`` message: kind, the command's id, the pickled value."""
+    return [kind.encode(), _encoder.encode(ident), pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+def decode_blob(frames: list[bytes]) -> tuple[int, Any]:
+    """``(id, value)`` of a ``COMMAND`` or ``RESULT`` message."""
+    return _decoder.decode(frames[1]), pickle.loads(frames[2])

@@ -25,7 +25,9 @@ budget is spent, :attr:`dead` is set and liveness fails.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import itertools
 import logging
 import multiprocessing
 import os
@@ -42,7 +44,8 @@ import zmq
 
 from . import ipc
 from .async_engine import AsyncEngine
-from .request import EngineRequest, RequestError, RequestOutput
+from .commands import CommandRefused, answer, run_command, settle
+from .request import RequestError, RequestOutput, failed_output
 
 if TYPE_CHECKING:
     from ..backends.base import ModelInfo
@@ -54,6 +57,7 @@ log = logging.getLogger("mindie_host.engine.process")
 #: A restarted engine that has run this long without dying resets the retry count.
 HEALTHY_SECONDS = 60.0
 _OUTPUTS = ipc.OUTPUTS.encode()
+_RESULT = ipc.RESULT.encode()
 #: How long a stopping engine process gets to exit before it is killed.
 STOP_SECONDS = 10.0
 
@@ -62,7 +66,8 @@ STOP_SECONDS = 10.0
 ENGINE_HOOKS = frozenset({
     "mindie_host_model_backend", "mindie_host_backend_types", "mindie_host_kv_cache_manager",
     "mindie_host_order_waiting", "mindie_host_filter_waiting", "mindie_host_plan_step",
-    "mindie_host_request_finished",
+    "mindie_host_preemption_victim", "mindie_host_linear_deltas", "mindie_host_request_arrived",
+    "mindie_host_request_finished", "mindie_host_engine_command",
 })
 
 
@@ -126,8 +131,11 @@ def limit_front_end_threads() -> int:
     return previous
 
 
-def load_front_end(host: Host) -> None:
-    """``Host.load`` in engine-process mode: tokenizer here, model in the engine process."""
+def load_front_end(host: Host, show_progress: bool = False) -> None:
+    """``Host.load`` in engine-process mode: tokenizer here, model in the engine process.
+
+    ``show_progress``: the engine process draws the loading bar on the shared stderr (one instance only).
+    """
     from ..models.default import default_model_path
     from ..models.weights import resolve_model
     from ..tokenizer import load_tokenizer
@@ -137,7 +145,7 @@ def load_front_end(host: Host) -> None:
     host.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
     count = host.config.BackendConfig.modelInstanceNumber
     if count == 1:
-        client: Any = EngineProcessClient(host)
+        client: Any = EngineProcessClient(host, show_progress=show_progress)
         host.info = client.launch()
     else:  # one engine process per device group, balanced by requests in flight
         from ..distributed.ranks import rank_threads
@@ -183,13 +191,16 @@ def instance_config(config: Config, index: int) -> Config:
 class EngineProcessClient(AsyncEngine):
     """The front end's handle on the engine-core process: same asyncio interface as :class:`AsyncEngine`."""
 
-    def __init__(self, host: Host, config: Config | None = None, threads: int | None = None) -> None:
+    def __init__(self, host: Host, config: Config | None = None, threads: int | None = None,
+                 show_progress: bool = False) -> None:
         super().__init__(None, plugins=host.plugins)  # type: ignore[arg-type]
         self.host = host
         #: the config the engine process loads (an instance's own device group with modelInstanceNumber > 1)
         self.config = config or host.config
         #: compute threads of the engine process (None: every core)
         self.threads = threads
+        #: the engine process draws a loading bar on stderr (``mindie-host serve``)
+        self.show_progress = show_progress
         #: told when this engine goes down (False) or is back (True); sets the host's readiness by default
         self.report_ready: Callable[[bool], None] = self._set_host_ready
         self.specs = plugin_specs(host)
@@ -207,6 +218,8 @@ class EngineProcessClient(AsyncEngine):
         self._attempts = 0  # restarts in a row since the engine last ran healthy
         #: Why the engine is being restarted (shown by readiness), or None.
         self.restarting: str | None = None
+        self._commands: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self._command_ids = itertools.count(1)
         self._monitor: threading.Thread | None = None
         # runs before multiprocessing's own exit handler terminates the child: no restart at exit
         atexit.register(self._exiting)
@@ -225,7 +238,8 @@ class EngineProcessClient(AsyncEngine):
         pull.bind(f"ipc://{base}-out")
         proc = self._spawn.Process(
             target=engine_core_main, name="mindie-engine-core", daemon=True,
-            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid(), self.threads),
+            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid(), self.threads,
+                  self.show_progress),
         )
         proc.start()
         try:
@@ -309,6 +323,21 @@ class EngineProcessClient(AsyncEngine):
             status=501,
         )
 
+    async def command(self, target: str, command: str, payload: Any = None) -> list[Any]:
+        """Run plugin ``target``'s ``command`` in the engine process between steps; one answer (a list of one)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        ident = next(self._command_ids)
+        with self._lock:
+            if not (self._up and self._push is not None):
+                raise RequestError("The engine is restarting; retry the request shortly.", status=503)
+            self._commands[ident] = (loop, done)
+            self._push.send_multipart(ipc.encode_blob(ipc.COMMAND, ident, (target, command, payload)))
+        try:
+            return [answer(await done)]
+        finally:
+            self._commands.pop(ident, None)
+
     # -- requests ----------------------------------------------------------------------------------
     def _post(self, item: tuple[str, Any]) -> None:
         kind, payload = item
@@ -318,7 +347,8 @@ class EngineProcessClient(AsyncEngine):
                 self._push.send_multipart(frames, copy=False)
                 return
         if kind == "add":  # the engine is down or restarting: this request ends now, with an error
-            self._dispatch([_failed(payload, "The engine is restarting; retry the request shortly.")])
+            restarting = RequestError("The engine is restarting; retry the request shortly.", status=503)
+            self._dispatch([failed_output(payload, restarting)])
 
     # -- monitor thread ----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -358,6 +388,9 @@ class EngineProcessClient(AsyncEngine):
                 self.engine_stats = ipc.decode(frames[2])
                 if outputs:
                     self._dispatch(outputs)
+            elif frames[0] == _RESULT:
+                ident, result = ipc.decode_blob(frames)
+                self._settle(ident, result)
 
     def _recover(self, proc: Any) -> None:
         """The engine process died: fail what it held, then restart it within the retry budget."""
@@ -398,6 +431,8 @@ class EngineProcessClient(AsyncEngine):
                 why = str(exc)
                 log.error("engine restart failed: %s", exc)
                 continue
+            # plugins drop what they changed in the old engine at run time (its state is gone)
+            self.host.plugins.call_observers("mindie_host_engine_restarted", host=self.host)
             self.restarting = None
             if not self.host.draining:
                 self.report_ready(True)
@@ -417,6 +452,18 @@ class EngineProcessClient(AsyncEngine):
             for rid in list(self._queues)
         ]
         self._dispatch(outs)
+        for ident in list(self._commands):  # commands in flight end too: none waits for ever
+            self._settle(ident, CommandRefused(message, 503))
+
+    def _settle(self, ident: int, result: Any) -> None:
+        waiter = self._commands.pop(ident, None)
+        if waiter is None:
+            return
+        loop, done = waiter
+        try:
+            loop.call_soon_threadsafe(settle, done, result)
+        except RuntimeError:  # the caller's loop is closed
+            pass
 
 
 def _reap(proc: Any, timeout: float = 0.0) -> None:
@@ -426,20 +473,14 @@ def _reap(proc: Any, timeout: float = 0.0) -> None:
         proc.join(5)
 
 
-def _failed(request: EngineRequest, message: str) -> RequestOutput:
-    return RequestOutput(
-        request.request_id, [], "", "", [], len(request.prompt_token_ids),
-        finished=True, finish_reason="error", error=message,
-    )
-
 
 # -- the engine-core process ------------------------------------------------------------------------
 def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_addr: str, out_addr: str,
-                     parent_pid: int, threads: int | None = None) -> None:
+                     parent_pid: int, threads: int | None = None, show_progress: bool = False) -> None:
     """Entry point of the engine process: load the model as the server would, then serve steps."""
     from ..distributed import ranks
     from ..host import Host
-    from ..logs import setup_logging
+    from ..logs import LoadProgress, setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
     # this process starts the tensor-parallel ranks (worldSize > 1); it stops them itself, and they exit
@@ -460,7 +501,7 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
         ranks.EXIT_ON_RANK_FAILURE = True  # a dead tensor-parallel rank ends this process: all ranks restart
         host = Host(config)
         host.register_specs(specs)
-        host.load()
+        host.load(LoadProgress() if show_progress else None)
     except BaseException as exc:
         log.exception("engine process failed to load")
         push.send_multipart(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
@@ -499,11 +540,15 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
                     try:
                         llm.add_request(request)
                     except Exception as exc:
-                        outputs.append(_failed(request, str(exc)))
+                        outputs.append(failed_output(request, exc))
                 elif kind == ipc.ABORT:
                     out = llm.abort(ipc.decode(frames[1]))
                     if out is not None:
                         outputs.append(out)
+                elif kind == ipc.COMMAND:
+                    ident, (target, command, args) = ipc.decode_blob(frames)
+                    result = run_command(host.plugins, target, command, args)
+                    push.send_multipart(ipc.encode_blob(ipc.RESULT, ident, result))
                 elif kind == ipc.SHUTDOWN:
                     return
         elif os.getppid() != parent_pid:

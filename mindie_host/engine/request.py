@@ -161,9 +161,21 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    #: the HTTP status of a request the engine refused (a plugin's RequestError at arrival); None: 500
+    error_status: int | None = None
     seed: int | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+
+def failed_output(request: EngineRequest, error: str | BaseException) -> RequestOutput:
+    """The final output of a request the engine did not take or lost: its message, and a refusal's status."""
+    status = error.status if isinstance(error, RequestError) else None
+    message = error.message if isinstance(error, RequestError) else str(error)
+    return RequestOutput(
+        request.request_id, [], "", "", [], len(request.prompt_token_ids),
+        finished=True, finish_reason="error", error=message, error_status=status,
+    )

@@ -34,7 +34,7 @@ def failure(out: RequestOutput) -> RequestError | None:
     if failed is None:
         return None
     status, message = failed
-    return RequestError(out.error or message, status=status)
+    return RequestError(out.error or message, status=out.error_status or status)
 
 
 def raise_for_failure(out: RequestOutput) -> None:

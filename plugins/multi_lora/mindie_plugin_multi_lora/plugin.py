@@ -17,13 +17,18 @@
   ``POST /v1/unload_lora_adapter``, ``GET /v1/lora_adapters``. Runtime loading is off
   unless ``Plugins.multi_lora.runtimeAdapterDir`` names a directory, and loads only
   from inside it; its errors say nothing about paths outside it.
+
+With ``ServerConfig.engineProcess`` the runtime and the registry live in the engine process
+(linear deltas, startup there, the admission filter, ``mindie_host_request_arrived``, which
+tracks the engine's copy of each request, and ``mindie_host_engine_command``, which loads,
+unloads and lists adapters); the front end keeps an :class:`~.control.AdapterCatalogue` of
+the names requests may select, and its routes act through engine commands (:mod:`.control`).
+Adapters loaded at run time do not survive an engine restart (``mindie_host_engine_restarted``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +44,7 @@ from mindie_host.api import (
     ModelInfo,
     RequestContext,
     RequestError,
+    RequestOutput,
     SchedulingContext,
     SequenceView,
     hookimpl,
@@ -46,6 +52,7 @@ from mindie_host.api import (
 from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 
 from .adapters import NAME_PATTERN, NAME_RULE, AdapterError, ModelDims, load_adapter, read_adapter_list
+from .control import AdapterCatalogue, AdapterControl, EngineAdapters, LocalAdapters, engine_command
 from .registry import AdapterRegistry
 from .runtime import KERNELS, LoraRuntime
 
@@ -85,11 +92,17 @@ class Params(BaseModel):
 
 
 class State:
-    """One engine's LoRA runtime (the slot pools) and adapter registry."""
+    """One engine's LoRA runtime (the slot pools) and adapter registry, and what the routes act on.
+
+    Beside the model, ``catalogue`` is the registry itself; in the front end of an engine
+    process it is an :class:`AdapterCatalogue` and ``runtime``/``registry`` stay ``None``.
+    """
 
     def __init__(self) -> None:
         self.runtime: LoraRuntime | None = None
         self.registry: AdapterRegistry | None = None
+        self.catalogue: AdapterRegistry | AdapterCatalogue | None = None
+        self.control: AdapterControl | None = None
 
 
 def _adapter_sources(model_config: ModelConfig, params: Params) -> dict[str, str]:
@@ -121,19 +134,21 @@ def mindie_host_startup(ctx: LifecycleContext) -> None:
     host = ctx.host
     if host is None or NAME not in ctx.model.plugins:
         return
-    runtime = ctx.state.runtime
-    if runtime is None:
-        raise RuntimeError(
-            "plugin multi_lora: the model runs in another process (ServerConfig.engineProcess), where its slot "
-            "pools live; set engineProcess to false to serve LoRA adapters"
-        )
+    runtime, sources = ctx.state.runtime, _adapter_sources(ctx.model, ctx.params)
+    if host.model_name in sources:
+        raise AdapterError(host.model_name, "name", "an adapter may not take the base model's name")
+    if runtime is None:  # the front end of an engine process: the engine checked and loaded the adapters
+        catalogue = AdapterCatalogue(sources)
+        ctx.state.catalogue, ctx.state.control = catalogue, EngineAdapters(host, catalogue)
+        ctx.log.info("multi_lora: %d adapters known; slot pools in the engine process", len(sources))
+        return
+    dims = ModelDims.from_info(host.info)
     registry = AdapterRegistry(runtime)
-    for name, path in _adapter_sources(ctx.model, ctx.params).items():
-        if name == host.model_name:
-            raise AdapterError(name, "name", "an adapter may not take the base model's name")
-        registry.add(load_adapter(name, path, ModelDims.from_info(host.info), ctx.params.maxLoraRank))
+    for name, path in sources.items():
+        registry.add(load_adapter(name, path, dims, ctx.params.maxLoraRank))
     registry.preload()
-    ctx.state.registry = registry
+    ctx.state.registry = ctx.state.catalogue = registry
+    ctx.state.control = LocalAdapters(registry, dims)
     ctx.log.info(
         "multi_lora: %d adapters known, %d slots of rank %d (%.1f MiB of pools), kernel %s",
         len(registry.entries), runtime.slots, runtime.rank, runtime.pool_bytes() / 2**20, runtime.kernel,
@@ -142,7 +157,38 @@ def mindie_host_startup(ctx: LifecycleContext) -> None:
 
 @hookimpl
 def mindie_host_shutdown(ctx: LifecycleContext) -> None:
-    ctx.state.registry = None
+    ctx.state.registry = ctx.state.catalogue = ctx.state.control = None
+
+
+@hookimpl
+def mindie_host_engine_restarted(ctx: LifecycleContext) -> None:
+    """The new engine process loaded the startup adapters only: forget those loaded at run time."""
+    catalogue = ctx.state.catalogue
+    if isinstance(catalogue, AdapterCatalogue):
+        catalogue.reset()
+        ctx.log.warning("multi_lora: the engine restarted; adapters loaded at run time must be loaded again")
+
+
+@hookimpl
+def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+    """Front end of an engine process: requests with outputs have reached the engine, which counts them."""
+    catalogue = ctx.state.catalogue
+    if isinstance(catalogue, AdapterCatalogue):
+        catalogue.seen([out.request_id for out in outputs])
+
+
+@hookimpl
+def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str, payload: Any) -> Any:
+    """In the engine: load, unload and list adapters for the front end's routes (:mod:`.control`)."""
+    if target != NAME:
+        return None
+    info = ctx.host.info if ctx.host is not None else None
+    dims = ModelDims.from_info(info) if info is not None else None
+    result = engine_command(ctx.state.registry, dims, command, payload)  # type: ignore[arg-type]
+    if command == "load":
+        ctx.log.info("multi_lora: loaded adapter %s (rank %d) from %s", payload["name"], result["rank"],
+                     payload["path"])
+    return result
 
 
 @hookimpl
@@ -154,8 +200,8 @@ def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
 @hookimpl
 def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
     """Every known adapter, listed by ``/v1/models`` after the base model."""
-    registry = ctx.state.registry
-    return list(registry.entries) if registry is not None else None
+    catalogue = ctx.state.catalogue
+    return list(catalogue.entries) if catalogue is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +230,7 @@ def _is_base(host: Any, model: str) -> bool:
 
 
 def select_adapter(
-    host: Any, registry: AdapterRegistry | None, body: dict[str, Any], protocol: str
+    host: Any, registry: AdapterRegistry | AdapterCatalogue | None, body: dict[str, Any], protocol: str
 ) -> tuple[str, str] | None:
     """(adapter name, field) the request selects, or None for the base model; raises RequestError."""
     found = _adapter_id(body, protocol)
@@ -211,7 +257,7 @@ def select_adapter(
 def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any],
                                protocol: str) -> None:
     """Resolve the adapter; set ``extensions["multi_lora"]``, ``variant`` (current slot) and ``cache_salt``."""
-    registry = ctx.state.registry
+    registry = ctx.state.catalogue
     if registry is None:
         return
     chosen = select_adapter(ctx.host, registry, body, protocol)
@@ -223,11 +269,24 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
         known = ", ".join(sorted(registry.entries)) or "none"
         raise RequestError(f"LoRA adapter {name!r} not found (loaded: {known})", status=404, field=field)
     request.extensions[NAME] = name
-    request.variant = entry.slot
+    request.variant = entry.slot  # the engine binds the slot again at admission (-1 until then)
     salt = {"lora": entry.salt}
     if request.cache_salt is not None:
         salt["salt"] = request.cache_salt
     request.cache_salt = json.dumps(salt, sort_keys=True, separators=(",", ":"))
+    registry.track(request, entry)  # type: ignore[arg-type]
+
+
+@hookimpl
+def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> None:
+    """In the engine process: track the engine's own copy of an adapter request (refine tracked the front end's)."""
+    registry: AdapterRegistry | None = ctx.state.registry
+    name = request.extensions.get(NAME)
+    if registry is None or name is None or registry.owns(request.request_id):
+        return
+    entry = registry.get(name)
+    if entry is None:  # unloaded, or lost with an engine restart, after the front end resolved it
+        raise RequestError(f"LoRA adapter {name!r} is not loaded (any more); load it again", status=404)
     registry.track(request, entry)
 
 
@@ -313,11 +372,11 @@ def runtime_adapter_path(root: str, lora_path: str) -> Path:
     return candidate
 
 
-def _ready_registry(state: State) -> AdapterRegistry:
-    registry = state.registry
-    if registry is None:
+def _ready(state: State) -> AdapterControl:
+    control = state.control
+    if control is None:
         raise RequestError("multi_lora is not running (model still loading or plugin not enabled)", status=503)
-    return registry
+    return control
 
 
 @hookimpl
@@ -335,51 +394,29 @@ def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, plane: str) -> Non
 
     @app.get("/v1/lora_adapters")
     async def list_adapters() -> Response:
-        registry = _ready_registry(state)
-        return _json({"adapters": registry.describe(), "slots": registry.runtime.slots,
-                      "max_rank": registry.runtime.rank})
+        return _json(await _ready(state).describe())
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
         check_updates()
-        registry = _ready_registry(state)
+        control = _ready(state)
         body = await _body(request, host)
         name = _string(body, "lora_name")
         path = runtime_adapter_path(settings.runtimeAdapterDir, _string(body, "lora_path"))
         if not NAME_PATTERN.match(name):
             raise RequestError(f"lora_name must be {NAME_RULE}", field="lora_name")
-        if name == host.model_name or name in registry.entries:
+        if name == host.model_name:
             raise RequestError(f"LoRA adapter {name!r} is already loaded", status=409, field="lora_name")
-        dims = ModelDims.from_info(host.info)
-        try:
-            adapter = await asyncio.to_thread(load_adapter, name, path, dims, registry.runtime.rank)
-        except AdapterError as exc:
-            raise RequestError(str(exc), status=422, field="lora_path") from exc
-        try:
-            registry.add(adapter)
-        except KeyError as exc:
-            raise RequestError(f"LoRA adapter {name!r} is already loaded", status=409, field="lora_name") from exc
-        ctx.log.info("multi_lora: loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
-        return _json({"status": "loaded", "lora_name": name, "rank": adapter.rank, "modules": adapter.modules})
+        loaded = await control.load(name, path)
+        ctx.log.info("multi_lora: loaded adapter %s (rank %d) from %s", name, loaded["rank"], path)
+        return _json({"status": "loaded", "lora_name": name, **loaded})
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
         check_updates()
-        registry = _ready_registry(state)
+        control = _ready(state)
         body = await _body(request, host)
         name = _string(body, "lora_name")
-        if registry.begin_unload(name) is None:
-            raise RequestError(f"LoRA adapter {name!r} not found", status=404, field="lora_name")
-        deadline = time.monotonic() + settings.unloadTimeoutS
-        while not registry.remove(name):
-            if time.monotonic() > deadline:
-                busy = registry.inflight(name)
-                registry.cancel_unload(name)
-                raise RequestError(
-                    f"LoRA adapter {name!r} still has {busy} requests in flight after "
-                    f"{settings.unloadTimeoutS} s; it stays loaded",
-                    status=409, field="lora_name",
-                )
-            await asyncio.sleep(0.02)
+        await control.unload(name, settings.unloadTimeoutS)
         ctx.log.info("multi_lora: unloaded adapter %s", name)
         return _json({"status": "unloaded", "lora_name": name})

@@ -52,7 +52,36 @@ class _Tracked:
     bound: bool = False
 
 
-class AdapterRegistry:
+class UnloadableTable:
+    """Named entries with an ``unloading`` flag, behind ``self.lock``: what the registry and the catalogue share."""
+
+    lock: Any
+    entries: dict[str, Any]
+
+    def get(self, name: str) -> Any:
+        """The entry of a known adapter that accepts new requests, else None."""
+        with self.lock:
+            entry = self.entries.get(name)
+            return None if entry is None or entry.unloading else entry
+
+    def begin_unload(self, name: str) -> Any:
+        """Stop accepting requests for ``name``; returns its entry (None if unknown or already unloading)."""
+        with self.lock:
+            entry = self.entries.get(name)
+            if entry is None or entry.unloading:
+                return None
+            entry.unloading = True
+            return entry
+
+    def cancel_unload(self, name: str) -> None:
+        """Accept requests for ``name`` again (an unload that timed out)."""
+        with self.lock:
+            entry = self.entries.get(name)
+            if entry is not None:
+                entry.unloading = False
+
+
+class AdapterRegistry(UnloadableTable):
     """Known adapters, slot residency (LRU over unpinned slots) and per-request bindings. Thread-safe."""
 
     def __init__(self, runtime: LoraRuntime) -> None:
@@ -87,27 +116,6 @@ class AdapterRegistry:
                     if slot is None:
                         return
                     self._place(entry, slot)
-
-    def get(self, name: str) -> AdapterEntry | None:
-        """The entry of a known adapter that accepts new requests, else None."""
-        with self.lock:
-            entry = self.entries.get(name)
-            return None if entry is None or entry.unloading else entry
-
-    def begin_unload(self, name: str) -> AdapterEntry | None:
-        """Stop accepting requests for ``name``; returns its entry (None if unknown)."""
-        with self.lock:
-            entry = self.entries.get(name)
-            if entry is None or entry.unloading:
-                return None
-            entry.unloading = True
-            return entry
-
-    def cancel_unload(self, name: str) -> None:
-        with self.lock:
-            entry = self.entries.get(name)
-            if entry is not None:
-                entry.unloading = False
 
     def inflight(self, name: str) -> int:
         """Requests on ``name`` that have not finished (stale never-submitted ones are dropped)."""

@@ -4,6 +4,8 @@ management plane, and prefix-cache isolation between adapters."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mindie_host.testing import RunningServer, server_config
+from mindie_host.testing import RunningServer, server_config, wait_for
 from multi_lora_helpers import PROMPTS, hf_greedy, lora_config
 from transformers import AutoTokenizer
 
@@ -185,3 +187,31 @@ def test_prefix_cache_never_shares_kv_across_adapters(lora_base: Path, lora_adap
             skip_special_tokens=True,
         )
         assert text_a == want
+
+
+def test_engine_restart_keeps_startup_adapters_and_forgets_runtime_ones(
+        lora_base: Path, lora_adapters: dict[str, Path], tokenizer, hf_reference: Callable) -> None:  # noqa: ANN001
+    """engineProcess (the default): SIGKILL the engine process; it comes back with the startup adapters only."""
+    root = str(lora_adapters["delta"].parent)
+    cfg = lora_config(lora_base, maxLoras=2, runtimeAdapterDir=root)
+    cfg["ServerConfig"].update({"engineProcess": True, "engineRestartBackoffSeconds": 0.1})
+    with RunningServer(cfg) as server:
+        mgmt, engine = server.management_url, server.host.engine
+        r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(lora_adapters["delta"])})
+        assert r.status_code == 200, r.text
+        listed = httpx.get(mgmt + "/v1/lora_adapters").json()
+        assert {a["name"] for a in listed["adapters"]} == {"alpha", "beta", "gamma", "delta"}
+        os.kill(engine.process.pid, signal.SIGKILL)
+        wait_for(lambda: engine.restarts == 1 and httpx.get(mgmt + "/v2/health/ready").status_code == 200, 120,
+                 "the engine restarted")
+        models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert "delta" not in models and {"alpha", "beta", "gamma"} <= set(models)
+        r = httpx.post(server.url + "/v1/completions", json={"model": "delta", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404 and "delta" in r.text
+        want = tokenizer.decode(hf_reference("beta", 2, MAX_NEW), skip_special_tokens=True)
+        assert complete(server, "beta", PROMPTS[2])["choices"][0]["text"] == want
+        # loading it again works, and it serves correctly in the new engine
+        r = httpx.post(mgmt + "/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(lora_adapters["delta"])})
+        assert r.status_code == 200, r.text
+        want = tokenizer.decode(hf_reference("delta", 1, MAX_NEW), skip_special_tokens=True)
+        assert complete(server, "delta", PROMPTS[1])["choices"][0]["text"] == want

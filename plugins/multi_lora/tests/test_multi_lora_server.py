@@ -84,7 +84,7 @@ def test_unknown_adapter_is_404_naming_it(lora_server: RunningServer) -> None:
 def _refine(server: RunningServer, protocol: str, body: dict) -> tuple[str | None, str | None]:
     req = server.host.new_request(protocol=protocol, body=body, sampling=SamplingParams(max_tokens=2),
                                   prompt_token_ids=[1, 2, 3])
-    server.host.plugins.state("multi_lora").registry.finished(req.request_id)  # never submitted: untrack
+    server.host.plugins.state("multi_lora").catalogue.finished(req.request_id)  # never submitted: untrack
     return req.extensions.get("multi_lora"), req.cache_salt
 
 
