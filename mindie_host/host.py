@@ -295,9 +295,15 @@ class Host:
             stats.update(getattr(self.engine, "engine_stats", {}))
         if self.engine is not None:
             stats["num_active_requests"] = float(self.engine.num_active)
-        for extra in self.plugins.hook.mindie_host_metrics(host=self):
-            stats.update(extra or {})
+        stats.update(self.plugin_metrics())
         return stats
+
+    def plugin_metrics(self) -> dict[str, float]:
+        """Every plugin's ``mindie_host_metrics``: this process's, and those the engine process sent with its last step."""
+        metrics: dict[str, float] = dict(getattr(self.engine, "engine_plugin_metrics", None) or {})
+        for extra in self.plugins.hook.mindie_host_metrics(host=self):
+            metrics.update(extra or {})
+        return metrics
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

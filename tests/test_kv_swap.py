@@ -84,7 +84,9 @@ def test_without_max_preempt_count_preemption_recomputes(tiny_model: Path) -> No
 
 
 def test_swap_gauges_reach_prometheus(tiny_model: Path) -> None:
-    with RunningServer(_config(tiny_model, preempt=4)) as server:
+    cfg = _config(tiny_model, preempt=4)
+    cfg["ServerConfig"]["engineProcess"] = False  # the test takes a block of the engine's swap space itself
+    with RunningServer(cfg) as server:
         server.host.llm.swap.pool.allocate()  # one block in use: usage 1 / blocks
         text = httpx.get(server.metrics_url + "/metrics", timeout=30).text
         usage = next(line for line in text.splitlines() if line.startswith("cpu_cache_usage_perc"))

@@ -74,7 +74,9 @@ class Recorder:
 
 def test_each_hook_gets_a_typed_context_with_params_state_and_logger(tiny_model: Path) -> None:
     plugin = Recorder()
-    config = server_config(tiny_model, plugins={"recorder": {"greeting": "hello", "limit": 8}})
+    # engineProcess false: the test reads the State that engine-side hooks filled, so it must be in this process
+    config = server_config(tiny_model, plugins={"recorder": {"greeting": "hello", "limit": 8}},
+                           server={"engineProcess": False})
     with RunningServer(config, plugins=[(plugin, "recorder")]) as server:
         r = httpx.post(server.url + "/v1/completions",
                        json={"model": "tiny", "prompt": "a b c", "max_tokens": 3, "temperature": 0}, timeout=60)
@@ -190,7 +192,8 @@ class WrapperWithContext:
 
 def test_wrapper_implementations_get_their_context(tiny_model: Path) -> None:
     plugin = WrapperWithContext()
-    with RunningServer(server_config(tiny_model), plugins=[(plugin, "wrapper")]) as server:
+    cfg = server_config(tiny_model, server={"engineProcess": False})  # reads the engine-side State here
+    with RunningServer(cfg, plugins=[(plugin, "wrapper")]) as server:
         r = httpx.post(server.url + "/v1/completions",
                        json={"model": "tiny", "prompt": "a b", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text

@@ -1,7 +1,7 @@
 """Plugin commands that run where the engine lives (the ``mindie_host_engine_command`` hook).
 
 A management route in the front end may need to change state that exists only beside the
-model (a LoRA adapter's device slot, a pool). It calls ``await host.engine_command(target,
+model (a model variant's device slot, a pool). It calls ``await host.engine_command(target,
 command, payload)``; the engine runs the hook between two steps (on its worker thread, or in
 the engine process with ``engineProcess``) and the answer comes back. :func:`run_command` is
 the engine's side in both modes; its result crosses the process boundary pickled, so a

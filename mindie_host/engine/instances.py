@@ -68,6 +68,17 @@ class EngineInstances:
                 total[key] = total.get(key, 0.0) + value
         return total
 
+    @property
+    def engine_plugin_metrics(self) -> dict[str, float]:
+        """The engine-side plugin metrics of the instances: rates, ratios and percentages averaged, the rest summed."""
+        total: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        for c in self.clients:
+            for key, value in c.engine_plugin_metrics.items():
+                total[key] = total.get(key, 0.0) + value
+                seen[key] = seen.get(key, 0) + 1
+        return {k: v / seen[k] if k.endswith(("_rate", "_ratio", "_perc")) else v for k, v in total.items()}
+
     def pick(self) -> EngineProcessClient:
         """The live instance with the fewest requests in flight."""
         live = [c for c in self.clients if c.up]

@@ -8,7 +8,7 @@ pickled blob next to the plain fields, so the common request costs no pickle.
 
 Front end -> engine: ``(ADD, request, blob)``, ``(ABORT, request_id)``, ``(ABORT_ALL,)``,
 ``(COMMAND, id, blob)`` (a plugin's engine command, :mod:`mindie_host.engine.commands`),
-``(SHUTDOWN,)``. Engine -> front end: ``(READY, info_blob)``, ``(OUTPUTS, [outputs...], stats)``
+``(SHUTDOWN,)``. Engine -> front end: ``(READY, info_blob)``, ``(OUTPUTS, [outputs...], engine stats, plugin metrics)``
 once per step, ``(RESULT, id, blob)`` per command, ``(FAILED, message)`` when the engine
 could not start. Command arguments and answers are pickled: plugins choose what they send.
 """

@@ -206,6 +206,8 @@ class EngineProcessClient(AsyncEngine):
         self.specs = plugin_specs(host)
         self.restarts = 0
         self.engine_stats: dict[str, float] = {}
+        #: the metrics of the plugins that live in the engine process (a prefix cache's hit rate), from its last step
+        self.engine_plugin_metrics: dict[str, float] = {}
         self.process: Any = None
         self._spawn = multiprocessing.get_context("spawn")
         self._zmq = zmq.Context()
@@ -272,7 +274,7 @@ class EngineProcessClient(AsyncEngine):
                     info: ModelInfo = pickle.loads(frames[1])
                     return info
                 if kind == ipc.FAILED:
-                    raise EngineStartError(f"the engine process could not start: {ipc.decode(frames[1])}")
+                    raise _start_failure(frames)
             elif proc.exitcode is not None:
                 raise EngineStartError(f"the engine process died while loading ({exit_reason(proc.exitcode)})")
             if self._stopping:
@@ -386,6 +388,7 @@ class EngineProcessClient(AsyncEngine):
             if frames[0] == _OUTPUTS:
                 outputs = ipc.decode_outputs(frames[1])
                 self.engine_stats = ipc.decode(frames[2])
+                self.engine_plugin_metrics = ipc.decode(frames[3])
                 if outputs:
                     self._dispatch(outputs)
             elif frames[0] == _RESULT:
@@ -466,6 +469,20 @@ class EngineProcessClient(AsyncEngine):
             pass
 
 
+def _start_failure(frames: list[bytes]) -> BaseException:
+    """The error a ``FAILED`` message reports: the engine's own exception when it crossed intact."""
+    reason = EngineStartError(f"the engine process could not start: {ipc.decode(frames[1])}")
+    if len(frames) > 2 and frames[2]:
+        try:
+            error = pickle.loads(frames[2])
+        except Exception:
+            return reason
+        if isinstance(error, Exception):
+            error.__cause__ = reason
+            return error
+    return reason
+
+
 def _reap(proc: Any, timeout: float = 0.0) -> None:
     proc.join(timeout)
     if proc.exitcode is None:
@@ -504,7 +521,12 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
         host.load(LoadProgress() if show_progress else None)
     except BaseException as exc:
         log.exception("engine process failed to load")
-        push.send_multipart(ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"))
+        try:  # the error itself, so startup fails with the same exception as with the engine in-process
+            blob = pickle.dumps(exc)
+            pickle.loads(blob)
+        except Exception:
+            blob = b""
+        push.send_multipart([*ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"), blob])
         push.close(linger=2000)
         ctx.term()
         raise SystemExit(3) from None
@@ -551,7 +573,7 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
                     push.send_multipart(ipc.encode_blob(ipc.RESULT, ident, result))
                 elif kind == ipc.SHUTDOWN:
                     return
-        elif os.getppid() != parent_pid:
+        if os.getppid() != parent_pid:  # checked every step: an orphan must not go on computing for nobody
             log.error("the front end is gone; the engine process exits")
             return
         if llm.has_work():
@@ -561,5 +583,5 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
                 log.exception("engine step failed; ending the requests it was serving")
                 outputs.extend(llm.fail_active("generation failed in an engine step; the server log has the details"))
         if outputs:
-            # engine statistics plus the metrics of plugins that live here (a KV manager's hit rate)
-            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, host.stats()), copy=False)
+            # engine statistics, and apart the metrics of plugins that live here (a KV manager's hit rate)
+            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, llm.stats(), host.plugin_metrics()), copy=False)

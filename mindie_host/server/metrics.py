@@ -305,14 +305,13 @@ def _extra_families(host: Host, label: str) -> Iterator[Metric]:
 
 
 def plugin_metrics(host: Host) -> dict[str, float]:
-    """Gauges contributed by plugins through ``mindie_host_metrics``."""
+    """Gauges contributed by plugins through ``mindie_host_metrics`` (the engine process's included)."""
     out: dict[str, float] = {}
-    for extra in host.plugins.hook.mindie_host_metrics(host=host):
-        for key, value in (extra or {}).items():
-            try:
-                out[key] = float(value)
-            except (TypeError, ValueError):
-                continue
+    for key, value in host.plugin_metrics().items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
     return out
 
 

@@ -25,7 +25,9 @@ def _host(model: Path, on: bool) -> Host:
                         model={"plugin_params": json.dumps({"plugin_type": "prefix_cache"})} if on else {},
                         deploy={"maxSeqLen": 256, "maxInputTokenLen": 240},
                         plugins={"prefix_cache": {"numBlocks": 16}} if on else {})
-    host = Host(config_from_dict(cfg))
+    config = config_from_dict(cfg)
+    config.server.engineProcess = False  # the test steps host.llm itself
+    host = Host(config)
     host.load()
     return host
 

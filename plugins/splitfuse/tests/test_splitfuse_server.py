@@ -62,7 +62,9 @@ def _cfg(model: Path, plugins: str, **schedule: Any) -> dict[str, Any]:
         sched["enablePrefixCache"] = True
     sched.update(schedule)
     model_cfg = {"plugin_params": json.dumps({"plugin_type": plugins})} if plugins else {}
-    return server_config(model, model=model_cfg, schedule=sched, deploy={"maxSeqLen": 512, "maxInputTokenLen": 400})
+    # engineProcess false: PlanRecorder reads the engine's plans, so the engine must run in this process
+    return server_config(model, model=model_cfg, schedule=sched, deploy={"maxSeqLen": 512, "maxInputTokenLen": 400},
+                         server={"engineProcess": False})
 
 
 def _complete(client: openai.OpenAI, prompt: list[int], max_tokens: int, delay: float) -> Output:
