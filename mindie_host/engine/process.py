@@ -146,7 +146,11 @@ def load_front_end(host: Host, show_progress: bool = False) -> None:
     count = host.config.BackendConfig.modelInstanceNumber
     if count == 1:
         client: Any = EngineProcessClient(host, show_progress=show_progress)
-        host.info = client.launch()
+        try:
+            host.info = client.launch()
+        except BaseException:
+            client.stop()  # its sockets and socket directory
+            raise
     else:  # one engine process per device group, balanced by requests in flight
         from ..distributed.ranks import rank_threads
         from .instances import EngineInstances
