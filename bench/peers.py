@@ -12,6 +12,16 @@ ratios are comparable on a noisy shared machine.
     python bench/peers.py --systems mindie --conc 1,16 # just us
     LLAMA_SERVER=/path/to/llama-server python bench/peers.py
 
+Two workloads, each at every concurrency (``--workload``, default both): ``fixed``, the
+12 short prompts of ``loadgen.py`` (64 max tokens by default), and ``varied``,
+``bench/varied_load.py``: a distinct summarisation prompt per request, 40-900 words
+with a long tail, 128 output tokens (``--varied-max-tokens``). Results of the varied
+load are keyed ``<system>/varied``.
+
+llama-server is started once per concurrency with ``-np`` equal to it (and
+``--llama-ctx-per-slot`` tokens of context per slot), so that every request in flight
+has a slot, as mindie-host's continuous batching gives every request one.
+
 mindie-host runs with ``bench/configs/peers.json``: the built-in defaults plus
 ``compile: true`` (compiled decode step) and the prefix_cache plugin with 16-token
 blocks, the counterpart of llama-server's default per-slot prompt cache. The system
@@ -96,15 +106,17 @@ def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[s
     return proc, f"http://127.0.0.1:{port}", name
 
 
-def start_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str] | None:
+def start_llama(args: argparse.Namespace, slots: int = 16) -> tuple[subprocess.Popen[bytes], str, str] | None:
+    """llama-server with ``slots`` parallel slots (``-np``) of ``--llama-ctx-per-slot`` tokens each."""
     binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     if not binary:
         return None
     from mindie_host.models.default import default_model_path
 
     port = free_port()
-    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--port", str(port), "-t", "2", "-np", "16",
-                             "-c", "32768", "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ctx = slots * args.llama_ctx_per_slot
+    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--port", str(port), "-t", "2", "-np", str(slots),
+                             "-c", str(ctx), "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}", "default"
 
@@ -219,12 +231,14 @@ def start_mindie_defaults(args: argparse.Namespace) -> tuple[subprocess.Popen[by
     return start_mindie(args, config="")
 
 
+#: systems started once per concurrency, with that many parallel slots
+PER_CONCURRENCY = {"llama"}
 SYSTEMS = {"mindie": start_mindie, "mindie-defaults": start_mindie_defaults, "llama": start_llama,
            "transformers": start_transformers}
 #: systems measured in this process rather than over HTTP
 OFFLINE = {"hf-generate": run_hf_generate}
 LABELS = {"mindie": "mindie-host", "mindie-defaults": "mindie-host (built-in defaults)",
-          "llama": "llama.cpp llama-server (Q4_1, -np 16)", "transformers": "transformers serve --continuous-batching",
+          "llama": "llama.cpp llama-server (Q4_1, -np = conc)", "transformers": "transformers serve --continuous-batching",
           "hf-generate": "HF transformers generate (static batches)"}
 #: the first of these that ran is what the ratio column compares against
 REFERENCES = ("llama", "transformers", "hf-generate")
@@ -240,9 +254,11 @@ def release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_load(url: str, model: str, conc: int, n: int, max_tokens: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, str(LOADGEN), "--url", url, "--model", model, "-n", str(n), "-c", str(conc),
-                          "--max-tokens", str(max_tokens)], capture_output=True, text=True, timeout=1800)
+def run_load(url: str, model: str, conc: int, n: int, max_tokens: int, workload: str = "fixed") -> dict[str, float]:
+    """One closed-loop run: ``loadgen.py`` (``fixed``) or ``bench/varied_load.py`` (``varied``)."""
+    script = LOADGEN if workload == "fixed" else ROOT / "bench" / "varied_load.py"
+    out = subprocess.run([sys.executable, str(script), "--url", url, "--model", model, "-n", str(n), "-c", str(conc),
+                          "--max-tokens", str(max_tokens)], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -252,7 +268,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="mindie,llama,transformers")
     ap.add_argument("--conc", default="1,16,64")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens of the fixed workload")
+    ap.add_argument("--workload", default="fixed,varied", help="fixed (loadgen.py's 12 prompts), varied, or both")
+    ap.add_argument("--varied-max-tokens", type=int, default=128, help="output tokens of the varied workload")
+    ap.add_argument("--llama-ctx-per-slot", type=int, default=2048, help="llama-server context per parallel slot")
     ap.add_argument("--config", default=str(ROOT / "bench" / "configs" / "peers.json"),
                     help="mindie-host config.json (default: bench/configs/peers.json; '' = the built-in defaults)")
     ap.add_argument("--dtype", help="weight dtype of mindie-host and the transformers peers")
@@ -266,6 +285,10 @@ def main() -> int:
         print(f"load generator not found at {LOADGEN} (set LOADGEN=...)", file=sys.stderr)
         return 2
     concs = [int(c) for c in args.conc.split(",")]
+    workloads = [w for w in args.workload.split(",") if w]
+    if not set(workloads) <= {"fixed", "varied"}:
+        print(f"--workload: got {args.workload!r}; allowed: fixed, varied, or both", file=sys.stderr)
+        return 2
     if args.start_timeout:
         global START_TIMEOUT
         START_TIMEOUT = args.start_timeout
@@ -280,23 +303,28 @@ def main() -> int:
                 save(args, results)
             release_gpu_memory()
             continue
-        started = SYSTEMS[name](args)
-        if started is None:
-            print(f"skipping {name}: not installed", file=sys.stderr)
-            continue
-        proc, url, model = started
-        try:
-            run_load(url, model, 2, 4, 8)  # warm-up, not counted
-            for c in concs:
-                results.setdefault(name, {})[c] = run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), args.max_tokens)
-                print(name, c, results[name][c], file=sys.stderr, flush=True)
-                save(args, results)
-        finally:
-            proc.send_signal(signal.SIGTERM)
+        for group in ([[c] for c in concs] if name in PER_CONCURRENCY else [concs]):
+            started = SYSTEMS[name](args, group[0]) if name in PER_CONCURRENCY else SYSTEMS[name](args)
+            if started is None:
+                print(f"skipping {name}: not installed", file=sys.stderr)
+                break
+            proc, url, model = started
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                run_load(url, model, 2, 4, 8)  # warm-up, not counted
+                for c in group:
+                    for workload in workloads:
+                        key = name if workload == "fixed" else f"{name}/{workload}"
+                        tokens = args.max_tokens if workload == "fixed" else args.varied_max_tokens
+                        r = run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), tokens, workload)
+                        results.setdefault(key, {})[c] = r
+                        print(key, c, r, file=sys.stderr, flush=True)
+                        save(args, results)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     save(args, results)
     print(table(results, concs))
     return 0
@@ -305,25 +333,30 @@ def main() -> int:
 def save(args: argparse.Namespace, results: dict[str, dict[int, dict[str, float]]]) -> None:
     """Write the results so far to ``--out``."""
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "model": args.model, "device": args.device,
+    Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "varied_max_tokens": args.varied_max_tokens,
+                                          "llama_ctx_per_slot": args.llama_ctx_per_slot,
+                                          "model": args.model, "device": args.device,
                                           "results": results}, indent=2))
 
 
 def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> str:
+    """One Markdown table; each row's ratio is against the reference system on the same workload."""
     ref_name = next((r for r in REFERENCES if r in results), None)
-    ref = results.get(ref_name) if ref_name else None
     against = {"llama": "llama-server", "transformers": "transformers serve", "hf-generate": "HF generate"}.get(
         ref_name or "", "-")
     lines = [f"| system | conc | out tok/s | ratio vs {against} | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
              "| errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, by_c in results.items():
+        system, _, workload = name.partition("/")
+        ref = results.get(f"{ref_name}/{workload}" if workload else ref_name or "")
+        label = LABELS[system] + (f" ({workload} load)" if workload else "")
         for c in concs:
             r = by_c.get(c)
             if r is None:
                 continue
             ratio = f"{r['out_tok_s'] / ref[c]['out_tok_s']:.2f}x" if ref and c in ref and ref[c]["out_tok_s"] else "-"
-            lines.append(f"| {LABELS[name]} | {c} | {r['out_tok_s']} | {ratio} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+            lines.append(f"| {label} | {c} | {r['out_tok_s']} | {ratio} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
                          f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['errors']} |")
     return "\n".join(lines)
 
