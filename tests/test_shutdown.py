@@ -8,6 +8,7 @@ signal ends them the same way at once and the process exits without waiting.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Served:
     """``mindie-host serve`` in a subprocess, with its config written to a file."""
 
-    def __init__(self, model: Path, tmp: Path, drain_seconds: int) -> None:
+    def __init__(self, model: Path, tmp: Path, drain_seconds: int, own_group: bool = False) -> None:
         cfg = server_config(model, server={"shutdownDrainSeconds": drain_seconds},
                             deploy={"maxSeqLen": LONG + 256, "maxInputTokenLen": 128},
                             schedule={"maxIterTimes": LONG})
@@ -43,8 +44,9 @@ class Served:
         self.url = f"http://127.0.0.1:{s['port']}"
         self.ready_url = f"http://127.0.0.1:{s['managementPort']}/v2/health/ready"
         self.log = tmp / "serve.log"
+        self.own_group = own_group
         self.proc = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", "serve", "--config", str(path)],
-                                     stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+                                     stdout=subprocess.DEVNULL, stderr=self.log.open("w"), start_new_session=own_group)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
@@ -61,18 +63,28 @@ class Served:
             self.proc.kill()
             self.proc.wait(30)
 
+    def group_alive(self) -> bool:
+        """Whether any process of the server's own process group (``own_group``) is still running."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
 
 @pytest.fixture
 def serve(long_model: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[Served] = []
 
-    def start(drain_seconds: int) -> Served:
-        started.append(Served(long_model, tmp_path, drain_seconds))
+    def start(drain_seconds: int, own_group: bool = False) -> Served:
+        started.append(Served(long_model, tmp_path, drain_seconds, own_group))
         return started[-1]
 
     yield start
     for s in started:
         s.close()
+        if s.own_group and s.group_alive():
+            os.killpg(s.proc.pid, signal.SIGKILL)
 
 
 class Stream:
@@ -154,3 +166,23 @@ def test_second_signal_stops_at_once(serve: Any) -> None:
     assert server.proc.returncode == 0, server.log.read_text()
     assert_clean_end(stream)
     assert "Traceback" not in server.log.read_text()
+
+
+def test_sigterm_to_the_whole_process_group_drains_and_exits(serve: Any) -> None:
+    """`kill -TERM -- -PGID` (CI, a terminal's hang-up) reaches the engine process too: it keeps serving through
+    the drain, the front end stops it, and every process of the group exits."""
+    server = serve(drain_seconds=2, own_group=True)
+    stream = Stream(server.url)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert stream.thread.is_alive()  # the engine process did not die with the signal: the stream goes on
+    waited = wait_exit(server.proc, 30)
+    assert server.proc.returncode == 0, server.log.read_text()
+    assert waited < 2 + 10
+    assert_clean_end(stream)
+    deadline = time.monotonic() + 15
+    while server.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not server.group_alive()  # no engine process left behind
+    log = server.log.read_text()
+    assert "Traceback" not in log and " stopped" in log

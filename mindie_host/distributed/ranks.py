@@ -335,6 +335,7 @@ def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, wo
     from ..logs import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM to the group: rank 0 stops us after the drain
     setup_logging(config.LogConfig, to_stderr=True)
     torch.set_num_threads(threads)
     config.server.engineProcess = False

@@ -303,7 +303,10 @@ class EngineProcessClient(AsyncEngine):
         with self._lock:
             self._up = False
             if self._push is not None:
-                self._push.send_multipart(ipc.encode(ipc.SHUTDOWN), flags=zmq.NOBLOCK)
+                try:
+                    self._push.send_multipart(ipc.encode(ipc.SHUTDOWN), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:  # no engine on the other end (it died): nothing to tell
+                    pass
         if self.process is not None:
             _reap(self.process, STOP_SECONDS)
         if self._monitor is not None and self._monitor is not threading.current_thread():
@@ -503,7 +506,10 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
     from ..host import Host
     from ..logs import LoadProgress, setup_logging
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end stops us
+    # Ctrl-C, and a SIGTERM sent to the whole process group (`kill -TERM -- -PGID`, a terminal's hang-up), reach
+    # this process too: it keeps serving while the front end drains, and stops when the front end says so (or dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # this process starts the tensor-parallel ranks (worldSize > 1); it stops them itself, and they exit
     # when it disappears (distributed/ranks.py), so multiprocessing's rule against children of daemons is lifted
     multiprocessing.current_process().daemon = False
