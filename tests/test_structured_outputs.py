@@ -221,3 +221,21 @@ def test_structured_outputs_with_engine_process(tiny_model):
         jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), PERSON)
         r = post(srv, "/v1/completions", {"prompt": "x", "guided_choice": ["on", "off"], "max_tokens": 5})
         assert r.json()["choices"][0]["text"] in ("on", "off")
+
+
+def test_a_pickled_constraint_carries_no_tokenizer_text(tiny_server):
+    """The engine process gets each constraint as a few hundred bytes; the tokenizer's JSON crosses once, by file."""
+    import pickle
+
+    from mindie_host.structured.llg import _REBUILT, GrammarConstraint
+    from mindie_host.structured.spec import StructuredSpec
+
+    host = tiny_server.host
+    constraint = GrammarConstraint.for_spec(host, StructuredSpec("choice", ["on", "off"], "guided_choice"))
+    blob = pickle.dumps(constraint)
+    assert len(blob) < 4096 < len(constraint.tokenizer.spec)
+    _REBUILT.clear()  # as in a fresh engine process: the tokenizer is rebuilt from the file
+    again = pickle.loads(blob)
+    assert again.tokenizer.key == constraint.tokenizer.key
+    allowed = set(again([]).tolist())
+    assert allowed and allowed == set(constraint([]).tolist())

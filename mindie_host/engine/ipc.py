@@ -54,6 +54,11 @@ def decode_request(frames: list[bytes]) -> EngineRequest:
     return request
 
 
+def decode_plain_request(frames: list[bytes]) -> EngineRequest:
+    """The plain fields of an ``ADD`` message (its opaque fields left out): enough to fail it."""
+    return _request_decoder.decode(frames[1])
+
+
 def encode(kind: str, *parts: Any) -> list[bytes]:
     """Frames of a control or output message: kind, then one msgpack frame per part."""
     return [kind.encode(), *(_encoder.encode(p) for p in parts)]

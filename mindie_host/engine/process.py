@@ -568,7 +568,13 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
                     break
                 kind = frames[0].decode()
                 if kind == ipc.ADD:
-                    request = ipc.decode_request(frames)
+                    try:
+                        request = ipc.decode_request(frames)
+                    except Exception:  # its opaque fields did not unpickle here: that request fails, alone
+                        log.exception("a request could not be decoded in the engine process")
+                        outputs.append(failed_output(ipc.decode_plain_request(frames),
+                                                     "the request could not be handed to the engine"))
+                        continue
                     try:
                         llm.add_request(request)
                     except Exception as exc:

@@ -10,8 +10,11 @@ The library's view of the tokenizer is built once per host (cached on ``host.cac
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,10 +122,14 @@ class GrammarConstraint:
         self.seen = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled (``engineProcess``) before its first step: the tokenizer travels as its JSON text and is
-        rebuilt once per engine process."""
+        """Pickled (``engineProcess``) before its first step. The tokenizer's JSON text (1.5 MB for the default
+        model) is written once to a file of this process, and each constraint carries only the file's path and
+        the tokenizer's key; the engine process reads the file once per key. Inline when no file can be written."""
         t = self.tokenizer
-        return (_unpickle, (t.key, t.spec, t.n_vocab, t.eos, self.grammar))
+        path = _spec_file(t)
+        if path is None:
+            return (_unpickle, (t.key, t.spec, t.n_vocab, t.eos, self.grammar))
+        return (_unpickle_from_file, (t.key, path, t.n_vocab, t.eos, self.grammar))
 
     @classmethod
     def for_spec(cls, host: Host, spec: StructuredSpec) -> GrammarConstraint:
@@ -165,3 +172,35 @@ def bounded(schema: Any, limit: int) -> Any:
 
 def _unpickle(key: str, spec: str, n_vocab: int, eos: list[int], grammar: str) -> GrammarConstraint:
     return GrammarConstraint(_rebuilt(key, spec, n_vocab, eos), grammar)
+
+
+#: tokenizer key -> the file holding its JSON text, written by this process (removed at exit)
+_SPEC_FILES: dict[str, str] = {}
+
+
+def _spec_file(t: Tokenizer) -> str | None:
+    path = _SPEC_FILES.get(t.key)
+    if path is None:
+        try:
+            fd, path = tempfile.mkstemp(prefix=f"mindie-llg-{t.key[:16]}-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(t.spec)
+        except OSError:
+            return None
+        _SPEC_FILES[t.key] = path
+        atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _unpickle_from_file(key: str, path: str, n_vocab: int, eos: list[int], grammar: str) -> GrammarConstraint:
+    if key not in _REBUILT:
+        with open(path, encoding="utf-8") as f:
+            _rebuilt(key, f.read(), n_vocab, eos)
+    return GrammarConstraint(_REBUILT[key], grammar)
