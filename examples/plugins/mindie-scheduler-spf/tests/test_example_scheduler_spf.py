@@ -25,6 +25,9 @@ from mindie_host.testing import make_tiny_llama, server_config
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 DIST = "mindie-scheduler-spf"
 
+#: tokens of the request that holds the only batch slot while the others queue (seconds on a tiny model)
+BUSY = 6000
+
 
 @pytest.fixture(scope="module")
 def installed() -> Iterator[None]:
@@ -43,12 +46,13 @@ def installed() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spf"))
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spf"), max_position_embeddings=BUSY + 512)
 
 
 def _config(model: Path, plugin: bool, aging: float = 0) -> dict[str, Any]:
     # one sequence at a time, so the waiting queue's order is the serving order
-    cfg = server_config(model, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1, "maxIterTimes": 1000},
+    cfg = server_config(model, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1, "maxIterTimes": BUSY},
+                        deploy={"maxSeqLen": BUSY + 256, "maxInputTokenLen": 512},
                         model={"plugin_params": json.dumps({"plugin_type": "shortest_prompt_first"})} if plugin else {},
                         plugins={"shortest_prompt_first": {"agingTokensPerSecond": aging}} if plugin else {})
     return cfg
@@ -88,7 +92,7 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
             done.append(name)
 
         # "busy" holds the only batch slot while the others queue up: long, short, long, short
-        jobs = [("busy", 4, 1000, 0.0), ("long-1", 300, 16, 0.3), ("short-1", 5, 16, 0.6),
+        jobs = [("busy", 4, BUSY, 0.0), ("long-1", 300, 16, 0.3), ("short-1", 5, 16, 0.6),
                 ("long-2", 300, 16, 0.9), ("short-2", 5, 16, 1.2)]
         with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda j: send(*j), jobs))
