@@ -161,11 +161,7 @@ class AsyncEngine:
                     log.exception("engine call failed")
             elif kind == "command":
                 target, command, args, loop, done = payload
-                result = run_command(self.plugins, target, command, args)
-                try:
-                    loop.call_soon_threadsafe(settle, done, result)
-                except RuntimeError:  # the caller's loop is closed
-                    pass
+                settle(loop, done, run_command(self.plugins, target, command, args))
         return outputs
 
     def _run(self) -> None:
@@ -198,10 +194,7 @@ class AsyncEngine:
             commands = [payload for kind, payload in self._inbox if kind == "command"]
             self._inbox = [item for item in self._inbox if item[0] != "command"]
         for _target, _command, _args, loop, done in commands:
-            try:
-                loop.call_soon_threadsafe(settle, done, CommandRefused(message, 503))
-            except RuntimeError:
-                pass
+            settle(loop, done, CommandRefused(message, 503))
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; if it raises, only the sequences it was serving fail and the loop goes on."""

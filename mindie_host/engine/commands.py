@@ -60,7 +60,14 @@ def answer(result: Any) -> Any:
     return result
 
 
-def settle(done: asyncio.Future[Any], result: Any) -> None:
-    """Hand ``result`` to the waiting caller (on the caller's event loop, through ``call_soon_threadsafe``)."""
+def settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future[Any], result: Any) -> None:
+    """Hand ``result`` to the caller waiting on ``done``, from any thread (nothing if its loop has closed)."""
+    try:
+        loop.call_soon_threadsafe(_set_result, done, result)
+    except RuntimeError:  # the caller's loop is closed
+        pass
+
+
+def _set_result(done: asyncio.Future[Any], result: Any) -> None:
     if not done.done():
         done.set_result(result)

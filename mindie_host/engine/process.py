@@ -469,11 +469,7 @@ class EngineProcessClient(AsyncEngine):
         waiter = self._commands.pop(ident, None)
         if waiter is None:
             return
-        loop, done = waiter
-        try:
-            loop.call_soon_threadsafe(settle, done, result)
-        except RuntimeError:  # the caller's loop is closed
-            pass
+        settle(*waiter, result)
 
 
 def _start_failure(frames: list[bytes]) -> BaseException:
@@ -533,8 +529,7 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
         log.exception("engine process failed to load")
         try:  # the error itself, so startup fails with the same exception as with the engine in-process
             blob = pickle.dumps(exc)
-            pickle.loads(blob)
-        except Exception:
+        except Exception:  # the front end falls back to the message (as it does when unpickling fails)
             blob = b""
         push.send_multipart([*ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"), blob])
         push.close(linger=2000)

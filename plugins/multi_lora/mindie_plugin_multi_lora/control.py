@@ -33,7 +33,6 @@ class CatalogueEntry:
 
     name: str
     generation: int
-    path: str = ""
     unloading: bool = False
     #: request id -> when it was refined; dropped at its first output (the engine has it then)
     unseen: dict[str, float] = field(default_factory=dict)
@@ -48,9 +47,9 @@ class CatalogueEntry:
 class AdapterCatalogue(UnloadableTable):
     """The front end's adapter names, salts and not-yet-seen requests (``engineProcess``). Thread-safe."""
 
-    def __init__(self, startup: dict[str, str]) -> None:
+    def __init__(self, startup: list[str]) -> None:
         self.lock = threading.Lock()
-        self.startup = dict(startup)  # name -> path, from lora_adapter.json and Plugins.multi_lora.adapters
+        self.startup = list(startup)  # the names of lora_adapter.json and Plugins.multi_lora.adapters
         self.entries: dict[str, CatalogueEntry] = {}
         self._owner: dict[str, CatalogueEntry] = {}
         self._generation = 0
@@ -61,20 +60,20 @@ class AdapterCatalogue(UnloadableTable):
         with self.lock:
             self.entries.clear()
             self._owner.clear()
-            for name, path in self.startup.items():
-                self._add(name, path)
+            for name in self.startup:
+                self._add(name)
 
-    def _add(self, name: str, path: str) -> CatalogueEntry:
+    def _add(self, name: str) -> CatalogueEntry:
         self._generation += 1
-        entry = self.entries[name] = CatalogueEntry(name, self._generation, path)
+        entry = self.entries[name] = CatalogueEntry(name, self._generation)
         return entry
 
-    def add(self, name: str, path: str) -> CatalogueEntry:
+    def add(self, name: str) -> CatalogueEntry:
         """Make a runtime-loaded adapter selectable; raises ``KeyError`` if the name is taken."""
         with self.lock:
             if name in self.entries:
                 raise KeyError(name)
-            return self._add(name, path)
+            return self._add(name)
 
     def track(self, request: Any, entry: CatalogueEntry) -> None:
         """A request refined for ``entry``: it counts as in flight here until the engine has it."""
@@ -189,7 +188,7 @@ class EngineAdapters:
             raise _taken(name)
         answers = await self.host.engine_command(NAME, "load", {"name": name, "path": str(path)})
         try:
-            self.catalogue.add(name, str(path))
+            self.catalogue.add(name)
         except KeyError:
             raise _taken(name) from None
         return answers[0]

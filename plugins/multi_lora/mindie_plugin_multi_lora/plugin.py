@@ -138,7 +138,7 @@ def mindie_host_startup(ctx: LifecycleContext) -> None:
     if host.model_name in sources:
         raise AdapterError(host.model_name, "name", "an adapter may not take the base model's name")
     if runtime is None:  # the front end of an engine process: the engine checked and loaded the adapters
-        catalogue = AdapterCatalogue(sources)
+        catalogue = AdapterCatalogue(list(sources))
         ctx.state.catalogue, ctx.state.control = catalogue, EngineAdapters(host, catalogue)
         ctx.log.info("multi_lora: %d adapters known; slot pools in the engine process", len(sources))
         return
