@@ -881,9 +881,53 @@ def _cross_checks(c: Config, b: _Builder) -> None:
         b.warn(f"BackendConfig.backendName {be.backendName!r} is not {DEFAULT_BACKEND_NAME!r}; this host ignores it")
 
 
+#: The PD-disaggregation environment variables (spec §1.8): variable -> (dotted key, kind). They win over
+#: the file and are checked by the same rules as the key they set (an error names the key and the variable).
+ENV_KEYS: dict[str, tuple[str, str]] = {
+    "MINDIE_INFER_MODE": ("ServerConfig.inferMode", "str"),
+    "MINDIE_DECODE_BATCH_SIZE": ("BackendConfig.ScheduleConfig.maxBatchSize", "int"),
+    "MINDIE_PREFILL_BATCH_SIZE": ("BackendConfig.ScheduleConfig.maxPrefillBatchSize", "int"),
+    "MINDIE_MAX_SEQ_LEN": ("BackendConfig.ModelDeployConfig.maxSeqLen", "int"),
+    "MINDIE_MAX_ITER_TIMES": ("BackendConfig.ScheduleConfig.maxIterTimes", "int"),
+    "MINDIE_MODEL_NAME": ("BackendConfig.ModelDeployConfig.ModelConfig.0.modelName", "str"),
+    "MINDIE_MODEL_WEIGHT_PATH": ("BackendConfig.ModelDeployConfig.ModelConfig.0.modelWeightPath", "str"),
+    "MINDIE_ENDPOINT_HTTPS_ENABLED": ("ServerConfig.httpsEnabled", "bool"),
+    "MINDIE_INTER_COMM_TLS_ENABLED": ("ServerConfig.interCommTLSEnabled", "bool"),
+}
+
+
+def _env_overlay(data: Any, env: Mapping[str, str]) -> Any:
+    """``data`` with the :data:`ENV_KEYS` variables that are set written over it (a copy; ``data`` is kept)."""
+    wanted = {var: spec for var, spec in ENV_KEYS.items() if env.get(var, "") != ""}
+    if not wanted or not isinstance(data, dict):
+        return data
+    data = copy.deepcopy(data)
+    for var, (path, kind) in wanted.items():
+        text = env[var].strip()
+        value: Any = text
+        if kind == "int":
+            value = int(text) if re.fullmatch(r"-?[0-9]+", text) else text
+        elif kind == "bool":
+            value = {"1": True, "true": True, "0": False, "false": False}.get(text.lower(), text)
+        node: Any = data
+        parts = path.split(".")
+        for part in parts[:-1]:
+            if isinstance(node, list):
+                if not node:
+                    node.append({})
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, [] if part == "ModelConfig" else {})
+        if isinstance(node, dict):
+            node[parts[-1]] = value
+            logger.info("%s = %r (from environment variable %s)", path.replace(".0.", "[0]."), value, var)
+    return data
+
+
 def _build(data: Any, *, source_path: str | None, environ: Mapping[str, str] | None) -> tuple[Config, _Builder]:
     env = os.environ if environ is None else environ
     b = _Builder()
+    data = _env_overlay(data, env)
     if isinstance(data, dict):
         server = data.get("ServerConfig")
         # MindIE: a missing managementIpAddress falls back to ipAddress (not to 127.0.0.2)

@@ -29,13 +29,12 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
     "ServerConfig.kmcKsfMaster": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
     "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
-    "ServerConfig.interCommPort": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
 }
 #: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
 NO_EFFECT_PREFIXES: dict[str, str] = {
     "BackendConfig.interNode": "inter-node TLS: torch.distributed's transports carry no TLS (interNodeTLSEnabled "
                                "must be false with multi-node inference; docs/scale-out.md)",
-    "ServerConfig.interComm": "used only with inferMode 'dmi' (PD disaggregation), not served by this version",
+    "ServerConfig.interComm": "inter-instance TLS (inferMode 'dmi'): interCommTLSEnabled must be false in this version",
 }
 
 
@@ -50,11 +49,8 @@ def unsupported(config: Config) -> list[str]:
             f"models, {SCALE_OUT}"
         )
     srv, be = config.ServerConfig, config.BackendConfig
-    if srv.inferMode != "standard":
-        errors.append(
-            f"ServerConfig.inferMode: got {srv.inferMode!r}; allowed 'standard' (prefill and decode in one instance): "
-            "PD disaggregation ('dmi') is not served by this version"
-        )
+    if srv.inferMode == "dmi":
+        errors.extend(_dmi_errors(config))
     if be.multiNodesInferEnabled and be.interNodeTLSEnabled:
         errors.append(
             "BackendConfig.interNodeTLSEnabled: got true with multiNodesInferEnabled; allowed false: the ranks talk "
@@ -62,6 +58,27 @@ def unsupported(config: Config) -> list[str]:
             "TLS; run the nodes on a private network or under IPsec/WireGuard and set interNodeTLSEnabled to false "
             "(docs/scale-out.md)"
         )
+    return errors
+
+
+def _dmi_errors(config: Config) -> list[str]:
+    """What PD disaggregation (``inferMode: "dmi"``, docs/scale-out.md) cannot be combined with in this version."""
+    srv, be = config.ServerConfig, config.BackendConfig
+    mc = be.ModelDeployConfig.ModelConfig[0]
+    why = "with ServerConfig.inferMode 'dmi'"
+    errors = []
+    if srv.interCommTLSEnabled:
+        errors.append(f"ServerConfig.interCommTLSEnabled: got true {why}; allowed false: the built-in KV transport "
+                      "and the P-to-D requests run over plain TCP in this version (use a private network)")
+    if mc.worldSize > 1 or be.multiNodesInferEnabled:
+        errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got {mc.worldSize} {why}; allowed 1 "
+                      "(a P or D instance runs on one device in this version; run more instances instead)")
+    if be.modelInstanceNumber > 1:
+        errors.append(f"BackendConfig.modelInstanceNumber: got {be.modelInstanceNumber} {why}; allowed 1 "
+                      "(one engine per P or D instance)")
+    if mc.kvCacheDtype == "int8":
+        errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].kvCacheDtype: got 'int8' {why}; allowed auto, "
+                      "float32, bfloat16, float16 (the int8 cache keeps per-slot scales the transfer does not carry)")
     return errors
 
 

@@ -131,6 +131,7 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_plan_step": SchedulingContext,
     "mindie_host_preemption_victim": SchedulingContext,
     "mindie_host_kv_cache_manager": KVContext,
+    "mindie_host_kv_connector": KVContext,
     "mindie_host_model_backend": BackendContext,
     "mindie_host_backend_types": BackendContext,
     "mindie_host_linear_deltas": BackendContext,

@@ -18,7 +18,8 @@ The hooks fall into five concerns:
 * lifecycle: validating a plugin's own config, startup, shutdown, metrics;
 * request parsing: protocol routes, refining an engine request, tool-call parsers;
 * scheduling policy: ordering the waiting queue, planning each step's batch;
-* KV-cache management: the block manager (allocate, share, free, evict);
+* KV-cache management: the block manager (allocate, share, free, evict), and the connector that
+  moves blocks between prefill and decode instances;
 * model backend: the runner for a ``backendType``.
 
 Every hook takes a ``ctx`` argument first: a frozen, typed context built for
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
         SchedulingContext,
     )
     from .engine.kv_cache import KVCacheManager
+    from .engine.kv_transfer import KVConnector
     from .engine.policy import SchedulerState, StepPlan
     from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
@@ -328,6 +330,22 @@ def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: in
     :return: a :class:`~mindie_host.engine.kv_cache.KVCacheManager` (or subclass:
         ``prefix_cache`` returns one that shares blocks by chained hash), or
         ``None`` to defer. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_kv_connector(ctx: KVContext, config: Config) -> KVConnector | None:
+    """Create the transport that moves KV blocks between prefill and decode instances.
+
+    Called once per engine (in the engine process), only when ``ServerConfig.inferMode`` is
+    ``"dmi"`` (PD disaggregation). The engine starts it with its cache layout and a block
+    reader, offers the blocks of each handed-off sequence on a P instance, and pulls them on a
+    D instance; the contract, and what "never applied in part" means, is
+    :class:`~mindie_host.engine.kv_transfer.KVConnector`.
+
+    :param config: the whole config (``ServerConfig.ipAddress`` is where peers reach this instance).
+    :return: a :class:`~mindie_host.engine.kv_transfer.KVConnector`, or ``None`` to defer (the host's
+        builtin TCP connector answers last). firstresult.
     """
 
 

@@ -22,6 +22,7 @@ from .config_support import no_effect, unsupported
 from .engine.async_engine import AsyncEngine
 from .engine.block_pool import RefCountedBlockPool
 from .engine.core import EngineLimits, LLMEngine
+from .engine.kv_transfer import KVConnector, KVLayout
 from .engine.policy import SchedulerLimits
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .engine.swap import SwapSpace
@@ -29,6 +30,7 @@ from .host_state import HostCaches, ServerRuntime
 from .kv_sizing import plan_kv_pool
 from .models.default import default_model_path
 from .models.weights import resolve_model
+from .pd.call import current_call
 from .plugins import PluginError, PluginHost, install_hint
 from .tokenizer import load_tokenizer
 
@@ -209,6 +211,7 @@ class Host:
             decode_time_ms_per_req=sc.decodeTimeMsPerReq,
         )
         swap = self._swap_space()
+        connector = self._kv_connector(block_size) if self.config.server.inferMode == "dmi" else None
         self.llm = LLMEngine(
             backend=self.backend,
             model_info=self.info,
@@ -219,9 +222,25 @@ class Host:
             hook=self.plugins.hook,
             config=self.config,
             swap=swap,
+            connector=connector,
         )
         self.engine = AsyncEngine(self.llm, self.plugins)
         log.info("%s", plan.describe(self.info.device))
+
+    def _kv_connector(self, block_size: int) -> KVConnector:
+        """PD disaggregation: the KV connector, started with this engine's cache layout; its address goes
+        into ``info.extra["kv_address"]`` (the front end puts it in the requests it hands to D)."""
+        assert self.backend is not None and self.info is not None
+        shapes = self.backend.kv_block_shapes()
+        if shapes is None:
+            raise PluginError(f"ServerConfig.inferMode 'dmi': backendType {self.model_config.backendType!r} cannot "
+                              "export and import KV blocks (with kvCacheDtype int8 neither can the torch backend)")
+        connector = self.plugins.hook.mindie_host_kv_connector(config=self.config)
+        layout = KVLayout(model=self.info.name, num_layers=self.info.num_layers, num_kv_heads=self.info.num_kv_heads,
+                          head_dim=self.info.head_dim, dtype=shapes[0], block_size=block_size,
+                          block_shapes=shapes[1])
+        self.info.extra["kv_address"] = connector.start(layout, self.backend.export_blocks)
+        return connector
 
     def _swap_space(self) -> SwapSpace | None:
         """The CPU swap space for preempted sequences: ``cpuMemSize`` GB when ``maxPreemptCount`` > 0."""
@@ -253,6 +272,8 @@ class Host:
         self.ready = False
         if self.engine is not None:
             self.engine.stop()
+        if self.llm is not None and self.llm.handoff is not None:
+            self.llm.handoff.connector.close()
         self.plugins.hook.mindie_host_shutdown(host=self)
         if self.backend is not None:
             self.backend.shutdown()
@@ -373,6 +394,9 @@ class Host:
             timeout=timeout,
         )
         self.plugins.hook.mindie_host_refine_request(request=req, body=body, protocol=protocol, host=self)
+        call = current_call.get()
+        if call is not None:  # one half of a PD-disaggregated request: refuse what dmi mode cannot serve
+            call.check(req, body)
         return req
 
     def _check_output_length(self, prompt_len: int, sampling: SamplingParams, protocol: str) -> None:
@@ -404,7 +428,9 @@ class Host:
             raise RequestError("The service is not ready.", status=503)
         if self.draining:
             raise RequestError("The service has been stopped.", status=503)
-        async for out in self.engine.generate(request):
+        call = current_call.get()
+        outputs = self.engine.generate(request) if call is None else call.run(request, self.engine.generate)
+        async for out in outputs:
             yield out
 
     async def engine_command(self, target: str, command: str, payload: Any = None) -> list[Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,8 +38,12 @@ class ServerRuntime:
     #: the torch thread count before the engine process took the cores (engine/process.py)
     front_end_threads_before: int | None = None
     #: this instance's PD role and peers, once PD disaggregation assigns them (server/management.py)
-    pd_role: str | None = None
-    pd_peers: list[str] | None = None
+    #: PD disaggregation (inferMode dmi): the role, channels and held KV (server/pd.py's PDState)
+    pd: Any = None
+    #: the business app behind the PD gate, for requests a P instance hands to this D instance
+    business_app: Any = None
+    #: tasks the server started that no request awaits (D's replays); kept referenced until they end
+    background: set[Any] = field(default_factory=set)
 
 
 @dataclass

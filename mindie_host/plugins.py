@@ -41,6 +41,7 @@ log = logging.getLogger("mindie_host.plugins")
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.engine.builtin_policy",
     "mindie_host.backends.torch.plugin",
+    "mindie_host.pd.tcp_connector",
     "mindie_host.server.openai",
     "mindie_host.server.tool_calls",
     "mindie_host.server.tgi",
@@ -49,6 +50,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.server.native",
     "mindie_host.server.tokenize",
     "mindie_host.server.management",
+    "mindie_host.server.pd",
     "mindie_host.server.metrics",
 )
 

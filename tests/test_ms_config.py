@@ -57,8 +57,8 @@ def test_coordinator_defaults_and_string_numbers():
     ({"digs_scheduler_config": {"reordering_type": "4"}}, "digs_scheduler_config.reordering_type", "[1, 3]"),
     ({"digs_scheduler_config": {"algorithm_type": "random"}}, "digs_scheduler_config.algorithm_type",
      "'load_balance'"),
-    ({"digs_scheduler_config": {"deploy_mode": "pd_separate"}}, "digs_scheduler_config.deploy_mode",
-     "not implemented yet"),
+    ({"digs_scheduler_config": {"deploy_mode": "pd_separate"}}, "digs_scheduler_config.scheduler_type",
+     "'digs_scheduler'"),
     ({"digs_scheduler_config": {"scheduler_type": "digs_scheduler"}}, "digs_scheduler_config.scheduler_type",
      "'default_scheduler'"),
     ({"tls_config": {"request_server_tls_enable": "yes"}}, "tls_config.request_server_tls_enable", "true or false"),
@@ -118,8 +118,7 @@ def test_controller_config_and_overrides():
     assert cfg.http_ip == "127.0.0.9" and cfg.rank_table_path == "/x.json" and cfg.sync_seconds == 1
     bad = default_controller_dict()
     bad["deploy_mode"] = "pd_separate"
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        controller_config_from_dict(bad, environ={})
+    assert controller_config_from_dict(bad, environ={}).deploy_mode == "pd_separate"
     for key, value, allowed in (("cluster_synchronization_seconds", 0, "[1, 65535]"),
                                 ("default_p_rate", 3, "both 0"), ("mindie_server_port", 80, "[1024, 65535]")):
         bad = default_controller_dict()

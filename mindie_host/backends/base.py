@@ -214,6 +214,21 @@ class ModelBackend(abc.ABC):
         """Copy swap-space blocks ``swap_blocks`` back into cache ``blocks`` (same order)."""
         raise NotImplementedError(f"{type(self).__name__} has no swap space")
 
+    # -- KV transfer (optional): PD disaggregation moves a prompt's blocks between instances -----------
+    def kv_block_shapes(self) -> tuple[str, list[list[int]]] | None:
+        """``(dtype, shape of one block in each cache tensor)``, or None when this backend cannot export and
+        import KV blocks (the default; ``inferMode: "dmi"`` then refuses to start)."""
+        return None
+
+    def export_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The contents of cache ``blocks``, one CPU tensor ``[len(blocks), *block shape]`` per cache tensor.
+        Called from the KV connector's thread: it only reads blocks the engine holds untouched."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
+
+    def import_blocks(self, blocks: list[int], tensors: list[torch.Tensor]) -> None:
+        """Write ``tensors`` (as :meth:`export_blocks` returns them) into cache ``blocks`` (same order)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
+
     def warmup(self) -> None:  # noqa: B027 - optional hook
         """Run a throwaway step so the first request is not slow."""
 

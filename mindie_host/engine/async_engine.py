@@ -111,6 +111,11 @@ class AsyncEngine:
         self._post(("abort", request_id))
         return True
 
+    def release(self, request_id: str) -> None:
+        """Abort ``request_id`` in the engine even when no stream waits on it here (PD: free the blocks a
+        P instance holds for a D instance that will not take them)."""
+        self._post(("abort", request_id))
+
     def abort_all(self) -> int:
         """Cancel every request in flight; each ends with finish reason ``abort`` (a clean final event)."""
         ids = list(self._queues)

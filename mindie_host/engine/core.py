@@ -18,9 +18,11 @@ import torch
 
 from ..backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .detokenizer import Detokenizer
+from .handoff import Handoff
 from .kv_cache import KVCacheManager
+from .kv_transfer import KVConnector
 from .policy import SchedulerLimits, SchedulerState, StepPlan, least_urgent
-from .request import EngineRequest, RequestOutput, TokenLogprob
+from .request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from .sampling import Sampler, make_generator
 from .sequence import Sequence, SequenceStatus
 from .swap import SwapSpace
@@ -50,6 +52,7 @@ class LLMEngine:
         hook: Any,
         config: Any,
         swap: SwapSpace | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.backend = backend
         self.info = model_info
@@ -72,6 +75,10 @@ class LLMEngine:
         self._next_seq_id = 0
         self.counters: Counter[str] = Counter()
         self.last_step_time = 0.0
+        #: PD disaggregation (inferMode dmi): KV held for D instances, or pulled from P instances
+        self.handoff = Handoff(self, connector) if connector is not None else None
+        #: set when KV usage changed without an output (a handoff's blocks freed): the engine process reports it
+        self.stats_dirty = False
 
     # -- request lifecycle ------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> Sequence:
@@ -93,30 +100,44 @@ class LLMEngine:
             # the request's sampling parameters are never changed here: a drawn seed lives on the sequence
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
             seq.generator = make_generator(seq.seed)
-        self.waiting.append(seq)
+        transfer = request.kv_transfer
+        if transfer is not None and self.handoff is None:
+            raise RequestError("this instance has no KV connector (ServerConfig.inferMode is not 'dmi')", status=400)
         self.by_request[request.request_id] = seq
+        if transfer is not None and transfer.direction == "import":
+            assert self.handoff is not None
+            self.handoff.start_import(seq)
+        else:
+            self.waiting.append(seq)
         self.counters["requests_received"] += 1
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output, if it was live."""
+        """Stop a request now and free its blocks (also blocks held for a D instance); returns its final
+        output, if it was live."""
         seq = self.by_request.get(request_id)
         if seq is None:
+            if self.handoff is not None:
+                self.handoff.release(request_id, "aborted")
             return None
         seq.aborted = True
         self._finish(seq, reason)
         return self._make_output(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or (self.handoff and self.handoff.busy()))
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling round; return outputs for every touched request."""
         now = time.monotonic()
         outputs = self._expire(now)
+        if self.handoff is not None:
+            outputs.extend(self.handoff.poll(now))
         plan = self._schedule(now)
         if not plan:
+            if not outputs and self.handoff is not None and self.handoff.busy():
+                time.sleep(0.002)  # only transfers in flight: poll them without spinning a core
             return outputs
         batch, samplers = self._build_input(plan)
         t0 = time.perf_counter()
@@ -139,7 +160,8 @@ class LLMEngine:
     # -- scheduling ---------------------------------------------------------------------------
     def _expire(self, now: float) -> list[RequestOutput]:
         out = []
-        for seq in [*self.running, *self.waiting, *self.swapped]:
+        pulling = self.handoff.waiting_sequences() if self.handoff is not None else []
+        for seq in [*self.running, *self.waiting, *self.swapped, *pulling]:
             timeout = seq.request.timeout
             if timeout is not None and now - seq.arrival_time > timeout:
                 seq.error = f"request timed out after {timeout:g} s"
@@ -373,6 +395,10 @@ class LLMEngine:
                 continue
             try:
                 self._append_token(seq, token, lp, now)
+                transfer = seq.request.kv_transfer
+                if transfer is not None and transfer.direction == "export" and seq.status == SequenceStatus.RUNNING:
+                    assert self.handoff is not None
+                    self.handoff.export(seq)  # the first token is out: D decodes the rest
                 outputs.append(self._make_output(seq))
             except Exception as exc:  # stop handling or detokenisation failed: only this request ends
                 outputs.append(self._fail(seq, "stop handling or detokenisation", exc))
@@ -528,7 +554,8 @@ class LLMEngine:
         self._finish(seq, "stop")
         return True
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, free: bool = True) -> None:
+        """End ``seq``; ``free=False`` keeps its blocks (a handoff: :mod:`.handoff` frees them later)."""
         if seq.status == SequenceStatus.FINISHED:
             return
         if seq.status == SequenceStatus.RUNNING:
@@ -536,9 +563,12 @@ class LLMEngine:
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self._release_swap(seq)
+        elif seq.status == SequenceStatus.TRANSFERRING and self.handoff is not None:
+            self.handoff.forget(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        if free:
+            self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.counters[f"finished_{reason}"] += 1
@@ -592,6 +622,7 @@ class LLMEngine:
             "num_running": float(len(self.running)),
             "num_waiting": float(len(self.waiting)),
             "num_swapped": float(len(self.swapped)),
+            "num_held_for_decode": float(len(self.handoff.held)) if self.handoff is not None else 0.0,
             "swap_usage": self.swap.usage() if self.swap is not None else 0.0,
         }
         s.update(self.kv.stats())

@@ -99,6 +99,10 @@ class EngineInstances:
         client = self._owner.get(request_id)
         return client.abort(request_id) if client is not None else False
 
+    def release(self, request_id: str) -> None:
+        """See :meth:`AsyncEngine.release` (dmi mode runs one instance)."""
+        self.clients[0].release(request_id)
+
     def abort_all(self) -> int:
         return sum(c.abort_all() for c in self.clients)
 

@@ -67,7 +67,7 @@ ENGINE_HOOKS = frozenset({
     "mindie_host_model_backend", "mindie_host_backend_types", "mindie_host_kv_cache_manager",
     "mindie_host_order_waiting", "mindie_host_filter_waiting", "mindie_host_plan_step",
     "mindie_host_preemption_victim", "mindie_host_linear_deltas", "mindie_host_request_arrived",
-    "mindie_host_request_finished", "mindie_host_engine_command",
+    "mindie_host_request_finished", "mindie_host_engine_command", "mindie_host_kv_connector",
 })
 
 
@@ -593,6 +593,7 @@ def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], p
             except Exception:
                 log.exception("engine step failed; ending the requests it was serving")
                 outputs.extend(llm.fail_active("generation failed in an engine step; the server log has the details"))
-        if outputs:
+        if outputs or llm.stats_dirty:
+            llm.stats_dirty = False
             # engine statistics, and apart the metrics of plugins that live here (a KV manager's hit rate)
             push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, llm.stats(), host.plugin_metrics()), copy=False)

@@ -95,6 +95,22 @@ class SamplingParams:
 
 
 @dataclass
+class KVTransfer:
+    """Prefill/decode disaggregation (``inferMode: "dmi"``): where this request's KV goes or comes from.
+
+    ``direction`` ``"export"`` (a P instance): compute the prompt and the first token, then hold
+    the prompt's KV blocks, offered to a D instance under ``handle`` (the request id), until the
+    KV connector says they were taken or the hold expires. ``"import"`` (a D instance): pull the
+    KV that P offered as ``handle`` from the connector address ``source``, then decode from the
+    first token on.
+    """
+
+    direction: str
+    source: str = ""
+    handle: str = ""
+
+
+@dataclass
 class EngineRequest:
     """One generation request as the engine sees it, whatever protocol it came from.
 
@@ -129,6 +145,8 @@ class EngineRequest:
     #: image's placeholder tokens and the image's content hash); a prefix cache mixes ``key``
     #: into the hash of every block overlapping ``[start, end)``.
     span_keys: list[tuple[int, int, bytes]] | None = None
+    #: PD disaggregation: export the KV after the first token (P) or import it (D); None: a mixed instance
+    kv_transfer: KVTransfer | None = None
 
 
 @dataclass

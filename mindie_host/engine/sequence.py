@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"  # preempted, its KV in the CPU swap space
+    TRANSFERRING = "transferring"  # PD decode side: its prompt KV is on its way from a P instance
     FINISHED = "finished"
 
 

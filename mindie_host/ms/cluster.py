@@ -89,6 +89,8 @@ class Cluster:
             s = cfg["ServerConfig"]
             s.update({"ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.1", "port": free_port(),
                       "managementPort": free_port(), "metricsPort": free_port()})
+            if s.get("inferMode") == "dmi":  # PD: each server's inter-instance port, all on one machine
+                s["interCommPort"] = free_port()
             path = self.workdir / f"server-{k}.json"
             path.write_text(json.dumps(cfg, indent=2))
             self.servers.append({"config": str(path), "ip": "127.0.0.1", "port": s["port"],

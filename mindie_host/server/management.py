@@ -109,7 +109,10 @@ def static_config(host: Host, full: bool = False) -> dict[str, Any]:
         # mindie-host additions, for the MS controller's static_info (total_slots_num, total_block_num)
         "maxBatchSize": host.config.schedule.maxBatchSize,
         "totalBlockNum": int(read_stats(host).get("kv_blocks_total", 0)),
+        "inferMode": host.config.server.inferMode,
     }
+    if host.config.server.inferMode == "dmi":
+        body["interCommPort"] = host.config.server.interCommPort
     if full:
         data = host.config.to_dict()
         server = data.get("ServerConfig", {})
@@ -121,21 +124,21 @@ def static_config(host: Host, full: bool = False) -> dict[str, Any]:
 
 
 def dynamic_status(host: Host) -> dict[str, Any]:
-    """``/v1/status`` (spec §3.5) for a mixed (non-PD) deployment."""
+    """``/v1/status`` (spec §3.5): in dmi mode the role and, on D, the P instances it pulled KV from."""
     stats = read_stats(host)
     slots = host.config.schedule.maxBatchSize * host.config.BackendConfig.modelInstanceNumber  # instances summed
     free_slots = max(0, slots - int(stats.get("num_running", 0)))
-    role = host.runtime.pd_role
+    role, role_status = "none", "RoleReady" if host.ready else "RoleUnknown"
+    pd = host.runtime.pd
+    if host.config.server.inferMode == "dmi":  # PD: the role the controller set (server/pd.py)
+        role_status = pd.role_status if (pd is not None and host.ready) else "RoleUnknown"
+        role = pd.role if role_status == "RoleReady" else "none"
     status: dict[str, Any] = {
-        "service": {
-            "roleStatus": "RoleReady" if host.ready else "RoleUnknown",
-            "currentRole": role if (role and host.ready) else "none",
-        },
+        "service": {"roleStatus": role_status, "currentRole": role},
         "resource": {"availSlotsNum": free_slots, "availBlockNum": int(stats.get("kv_blocks_free", 0))},
     }
-    peers = host.runtime.pd_peers
-    if peers:
-        status["peers"] = list(peers)
+    if role == "decode":
+        status["peers"] = list(pd.linked)
     return status
 
 

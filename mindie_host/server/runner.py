@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from .app import create_app
+from .pd import PDGate
 from .security import BusinessGuard, LinkGate, check_bind_addresses, listener_protocol, tls_options
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ def plan_listeners(host: Host) -> list[Listener]:
     addrs.setdefault((s.ipAddress, s.port), []).append("business")
     addrs.setdefault((s.managementIpAddress, s.managementPort), []).append("management")
     addrs.setdefault((s.managementIpAddress, s.metricsPort), []).append("metrics")
+    if s.inferMode == "dmi":  # PD: P instances hand requests to this one (server/pd.py)
+        addrs.setdefault((s.ipAddress, s.interCommPort), []).append("intercomm")
     tls = getattr(host, "tls_options", None)
     out = []
     for (ip, port), planes in addrs.items():
@@ -146,6 +149,9 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
     servers: list[_Server] = []
     for listener in plan_listeners(host):
         app = guard(host, build_app(host, listener.planes), listener.planes)
+        if "business" in listener.planes:
+            host.runtime.business_app = app
+            app = PDGate(host, app)
         cfg = uvicorn.Config(
             app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS, **listener.ssl,

@@ -219,6 +219,21 @@ class TorchBackend(ModelBackend):
         for cache, swap in zip(self._block_views(), self.swap_space):
             cache[dst] = swap.index_select(0, src).to(cache.device, non_blocking=True)
 
+    # -- KV transfer (PD disaggregation) ---------------------------------------------------------
+    def kv_block_shapes(self) -> tuple[str, list[list[int]]] | None:
+        if self.kv_int8 or not self.kv_caches:
+            return None  # the int8 cache keeps per-slot scales beside its codes: not transferred in this version
+        return str(self.kv_dtype).removeprefix("torch."), [list(v.shape[1:]) for v in self._block_views()]
+
+    def export_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.platform.device())
+        return [cache.index_select(0, index).to("cpu") for cache in self._block_views()]
+
+    def import_blocks(self, blocks: list[int], tensors: list[torch.Tensor]) -> None:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.platform.device())
+        for cache, data in zip(self._block_views(), tensors, strict=True):
+            cache[index] = data.to(cache.device, non_blocking=True)
+
     # -- forward -----------------------------------------------------------------------------
     def execute(self, batch: ModelInput) -> torch.Tensor:
         assert self.model is not None

@@ -3,8 +3,12 @@
 ``GLOBAL_RANK_TABLE_FILE_PATH`` overrides ``global_rank_table_file_path``, ``POD_IP`` the HTTP
 server's ``ip``, ``MINDIE_MS_P_RATE``/``MINDIE_MS_D_RATE`` the P/D rates, and
 ``MINDIE_MS_CONTROLLER_CONFIG_FILE_PATH`` names the file when ``--config`` is not given.
-``deploy_mode`` ``pd_separate`` is refused at startup: PD role decisions are not implemented yet;
-the digs keys are checked but not used.
+
+``deploy_mode`` ``pd_separate`` (PD disaggregation) uses the role keys: ``default_p_rate`` /
+``default_d_rate`` (or, both 0, ``digs_request_summary_input_length`` / ``_output_length``) for the
+P:D split (:func:`~.roles.decide_roles`), ``init_role_attempt_times``, ``check_role_attempt_times``
+and ``check_role_wait_seconds`` for pushing roles (:mod:`.roles`). The other digs keys (model and
+machine files, SLOs, ``digs_pp``) are checked but not used.
 """
 
 from __future__ import annotations
@@ -78,6 +82,13 @@ class ControllerConfig:
     http_port: int
     tls: dict[str, TLSLink]
     log: LogInfo
+    p_rate: int = 0
+    d_rate: int = 0
+    init_role_attempt_times: int = 2
+    check_role_attempt_times: int = 60
+    check_role_wait_seconds: int = 5
+    digs_input_length: int = 3000
+    digs_output_length: int = 200
     source_path: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -89,9 +100,6 @@ def controller_config_from_dict(data: Any, *, source_path: str | None = None,
     warnings: list[str] = []
     root = Section(data, "", warnings)
     mode = root.string("deploy_mode", choices=("pd_separate", "single_node"))
-    if mode == "pd_separate":
-        raise ConfigError("deploy_mode", mode,
-                          "'single_node' (pd_separate, PD disaggregation, is not implemented yet in mindie-host)")
     pm = root.section("process_manager")
     pm_values = (pm.boolean("to_file"), pm.string("file_path"))
     pm.finish()
@@ -125,11 +133,11 @@ def controller_config_from_dict(data: Any, *, source_path: str | None = None,
         raise ConfigError("default_p_rate/default_d_rate", f"{p_rate}/{d_rate}",
                           "both 0 (automatic), or both non-zero with default_p_rate + default_d_rate <= 16")
     root.boolean("is_heterogeneous")
-    for name in ("init_role_attempt_times", "check_role_attempt_times", "check_role_wait_seconds"):
-        root.integer(name, 1, U16)
+    roles = {name: root.integer(name, 1, U16)
+             for name in ("init_role_attempt_times", "check_role_attempt_times", "check_role_wait_seconds")}
     root.string("role_decision_methods", choices=("digs",))
-    root.integer("digs_request_summary_input_length", 1, 2**31 - 1)
-    root.integer("digs_request_summary_output_length", 1, 2**31 - 1)
+    digs_in = root.integer("digs_request_summary_input_length", 1, 2**31 - 1)
+    digs_out = root.integer("digs_request_summary_output_length", 1, 2**31 - 1)
     for name in ("digs_model_config_path", "digs_machine_config_path", "model_type", "transfer_type"):
         root.string(name)
     root.integer("digs_prefill_slo", 1, 2**31 - 1)
@@ -150,8 +158,8 @@ def controller_config_from_dict(data: Any, *, source_path: str | None = None,
     return ControllerConfig(
         deploy_mode=mode, process_manager_to_file=pm_values[0], process_manager_path=pm_values[1],
         cluster_status_to_file=cs_values[0], cluster_status_path=cs_values[1], rank_table_path=rank_table,
-        **ints, http_ip=http_ip, http_port=http_port, tls=tls, log=log, source_path=source_path,
-        warnings=warnings,
+        **ints, http_ip=http_ip, http_port=http_port, tls=tls, log=log, p_rate=p_rate, d_rate=d_rate, **roles,
+        digs_input_length=digs_in, digs_output_length=digs_out, source_path=source_path, warnings=warnings,
     )
 
 

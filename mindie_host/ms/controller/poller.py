@@ -8,8 +8,10 @@ Every ``cluster_synchronization_seconds``:
 2. each server's management port is polled: ``/v1/config`` and ``/v1/status`` until it is
    initialized, then ``/v1/status``; a request is tried ``http_retries`` more times before the
    poll counts as failed (:mod:`.nodes` has the fault rules);
-3. ``POST /v1/instances/refresh`` sends the coordinator every live server;
-4. the process-manager and cluster-status files are written.
+3. in ``pd_separate``, roles are decided and pushed (:mod:`.roles`);
+4. ``POST /v1/instances/refresh`` sends the coordinator every live server (in ``pd_separate``: the
+   servers with their role in place, and none while group 0 lacks a P or a D);
+5. the process-manager and cluster-status files are written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .config import ControllerConfig
 from .files import cluster_status, load_process_status, process_status, write_json
 from .nodes import Node
 from .ranktable import Topology, read_topology
+from .roles import STATUSES, RoleManager
 
 log = logging.getLogger("mindie_host.ms.controller")
 
@@ -41,18 +44,25 @@ class Controller:
         self.last_rank_table = 0.0
         self.started = False
         self.cycles = 0
+        self.pd = config.deploy_mode == "pd_separate"
         timeout = httpx.Timeout(config.http_timeout_seconds)
         self.server_client = httpx.AsyncClient(timeout=timeout, trust_env=False,
                                                verify=config.tls["request_server"].client_context())
         self.coordinator_client = httpx.AsyncClient(timeout=timeout, trust_env=False,
                                                     verify=config.tls["request_coordinator"].client_context())
+        self.roles = RoleManager(config, self.server_client) if self.pd else None
         if config.process_manager_to_file:
             for node in load_process_status(config.process_manager_path):
+                if not self.pd:  # roles belong to pd_separate only
+                    node.role, node.role_pushed, node.pushed_peers, node.peers = "", False, None, []
                 self.nodes[node.id] = node
             if self.nodes:
                 log.info("reloaded %d servers from %s", len(self.nodes), config.process_manager_path)
 
     async def close(self) -> None:
+        """Stop the role pushes in flight and close the HTTP clients."""
+        if self.roles is not None:
+            await self.roles.close()
         await self.server_client.aclose()
         await self.coordinator_client.aclose()
 
@@ -106,7 +116,9 @@ class Controller:
                 if not isinstance(body, dict):
                     node.last_error = f"{path} answered something other than a JSON object"
                     continue
-                if path == "/v1/status" and body.get("service", {}).get("roleStatus") != "RoleReady":
+                service = body.get("service", {})
+                state = service.get("roleStatus") if isinstance(service, dict) else None
+                if path == "/v1/status" and state != "RoleReady" and not (self.pd and state in STATUSES):
                     node.last_error = "the server is not ready (roleStatus is not RoleReady)"
                     return None
                 return body
@@ -121,6 +133,7 @@ class Controller:
                 return
             node.next_try = now + self.config.server_online_wait_seconds
             config = await self._get(node, "/v1/config")
+            node.status_sent_at = time.monotonic()
             status = await self._get(node, "/v1/status") if config is not None else None
             if config is None or status is None:
                 node.is_healthy = False
@@ -140,6 +153,7 @@ class Controller:
             log.info("server %d (%s:%d, %s) initialized: %d slots, %d blocks", node.id, node.addr.ip, node.addr.port,
                      node.model_name, node.total_slots, node.total_blocks)
             return
+        node.status_sent_at = time.monotonic()
         status = await self._get(node, "/v1/status")
         if status is None:
             if node.is_healthy:
@@ -156,7 +170,10 @@ class Controller:
         """Send the live set to the coordinator."""
         if self.topology is None or self.topology.coordinator is None:
             return
-        live = [n for n in self.nodes.values() if n.live]
+        if self.roles is not None:
+            live = self.roles.live(self.nodes.values())
+        else:
+            live = [n for n in self.nodes.values() if n.live]
         body = {"ids": [n.id for n in live], "instances": [n.refresh_entry() for n in live]}
         ip, port = self.topology.coordinator
         scheme = self.config.tls["request_coordinator"].scheme
@@ -173,6 +190,7 @@ class Controller:
         self.coordinator_healthy = resp.status_code == 200
 
     def write_files(self) -> None:
+        """Write the process-manager backup and the cluster-status file (those switched on)."""
         nodes = sorted(self.nodes.values(), key=lambda n: n.id)
         try:
             if self.config.process_manager_to_file:
@@ -190,6 +208,8 @@ class Controller:
             self.last_rank_table = now
             self.reload_rank_table()
         await asyncio.gather(*(self.poll(n) for n in list(self.nodes.values()) if not n.delete_time or n.initialized))
+        if self.roles is not None:
+            self.roles.update(self.nodes)
         await self.push()
         self.write_files()
         self.cycles += 1

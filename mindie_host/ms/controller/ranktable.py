@@ -13,6 +13,10 @@ entry may carry its own ``port``, ``management_port`` and ``metric_port`` (a coo
 The plain list: a JSON array of servers, each ``{"ip", "port", "management_port", "metric_port"}``
 (ports optional as above), or an object ``{"coordinator": {"ip", "port"}, "servers": [...]}``.
 Without a coordinator entry the coordinator is ``127.0.0.1:mindie_ms_coordinator_port``.
+
+A server entry's ``device`` list (rank table, or plain list as an extension) is kept for the PD
+role push (``POST /v1/role``): each device's ``device_logical_id`` (else its ``device_id``, else its
+position) and ``device_ip`` (else the server's IP).
 """
 
 from __future__ import annotations
@@ -36,10 +40,16 @@ class ServerAddress:
     port: int
     management_port: int
     metric_port: int
+    devices: tuple[tuple[str, str], ...] = ()
 
     @property
     def id(self) -> int:
         return instance_id(self.ip, self.port)
+
+    def device_list(self) -> list[dict[str, str]]:
+        """The devices as the role push carries them; one device ``"0"`` at the server's IP when none is listed."""
+        devices = self.devices or (("0", self.ip),)
+        return [{"device_logical_id": logical, "device_ip": ip} for logical, ip in devices]
 
 
 @dataclass(frozen=True)
@@ -67,16 +77,29 @@ def _port(entry: dict[str, Any], key: str, default: int, where: str) -> int:
     return value
 
 
+def _devices(entry: dict[str, Any], server_ip: str) -> tuple[tuple[str, str], ...]:
+    """``(device_logical_id, device_ip)`` of each listed device; lenient, single_node never reads them."""
+    items = entry.get("device", [])
+    out = []
+    for n, dev in enumerate(items if isinstance(items, list) else []):
+        if isinstance(dev, dict):
+            logical = dev.get("device_logical_id", dev.get("device_id", n))
+            out.append((str(logical), str(dev.get("device_ip") or server_ip)))
+    return tuple(out)
+
+
 def _server(entry: Any, where: str, cfg: ControllerConfig, ip_key: str) -> ServerAddress:
     if isinstance(entry, str):
         entry = {"ip": entry.split(":")[0], "port": entry.split(":")[1]} if ":" in entry else {"ip": entry}
     if not isinstance(entry, dict):
         raise ConfigError(where, entry, "an object with the server's ip")
+    ip = _ip(entry.get(ip_key), f"{where}.{ip_key}")
     return ServerAddress(
-        ip=_ip(entry.get(ip_key), f"{where}.{ip_key}"),
+        ip=ip,
         port=_port(entry, "port", cfg.server_port, where),
         management_port=_port(entry, "management_port", cfg.server_control_port, where),
         metric_port=_port(entry, "metric_port", cfg.server_metric_port, where),
+        devices=_devices(entry, ip),
     )
 
 

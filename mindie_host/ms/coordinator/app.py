@@ -2,7 +2,8 @@
 
 User port (``predict_ip:predict_port``): every path and method is forwarded to an instance
 (:mod:`.proxy`): the OpenAI, TGI, vLLM, Triton/KServe v2 and MindIE native APIs and
-``/v1/tokenizer``, with their bodies and answers unchanged.
+``/v1/tokenizer``, with their bodies and answers unchanged. In ``pd_separate`` inference requests
+go through a P and a D instead (:mod:`.pd`), and readiness needs at least one P and one D.
 
 Management port (``manage_ip:manage_port``, cluster-internal; spec §4.3):
 
@@ -42,6 +43,7 @@ from .config import CoordinatorConfig
 from .instances import InstanceTable, RefreshError, parse_refresh
 from .limits import NOT_READY, Scheduler
 from .metrics import MetricsAggregator
+from .pd import DResultHub, PDForwarder
 from .proxy import Forwarder
 from .routing import Router
 
@@ -75,18 +77,30 @@ class Coordinator:
         self.forwarder = Forwarder(config, self.scheduler, data_link.client_context(), data_link.scheme)
         self.metrics = MetricsAggregator(self.mgmt_client, config.reuse_time, mgmt_link.scheme,
                                          timeout=config.http_timeout_seconds)
+        self.hub: DResultHub | None = None
+        self.pd: PDForwarder | None = None
+        if config.deploy_mode == "pd_separate":
+            self.hub = DResultHub(config, self.table, self.scheduler, self.forwarder.ssl, data_link.scheme)
+            self.pd = PDForwarder(config, self.forwarder, self.table, self.hub)
 
     @property
     def ready(self) -> bool:
+        """Instances in rotation (pd_separate: at least one P and one D)."""
+        if self.pd is not None:
+            return self.pd.ready
         return bool(self.table.available())
 
     async def close(self) -> None:
+        """Close the D result channels and the clients."""
+        if self.hub is not None:
+            await self.hub.close()
         await self.forwarder.aclose()
         await self.mgmt_client.aclose()
 
     def user_app(self) -> Starlette:
         """The user-facing app: every path is forwarded (a bare Starlette app: no per-request validation cost)."""
-        return Starlette(routes=[Route("/{path:path}", self.forwarder.handle, methods=USER_METHODS)])
+        handle = self.pd.handle if self.pd is not None else self.forwarder.handle
+        return Starlette(routes=[Route("/{path:path}", handle, methods=USER_METHODS)])
 
     def manage_app(self) -> FastAPI:
         """The cluster-internal management app."""
@@ -128,6 +142,8 @@ class Coordinator:
             missing = self.table.apply_refresh(ids, described)
             for gone in before - set(self.table.items):
                 self.router.forget(gone)
+            if self.hub is not None:
+                self.hub.sync()
             if missing:
                 log.warning("refresh lists ids never described, ignored: %s", missing)
             self.scheduler.dispatch()

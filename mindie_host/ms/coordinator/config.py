@@ -7,8 +7,9 @@ file, whose path comes from ``--config`` or ``MINDIE_MS_COORDINATOR_CONFIG_FILE_
 
 Scheduling (``digs_scheduler_config``): the spec pairs ``single_node`` with
 ``default_scheduler`` + ``cache_affinity``. mindie-host also accepts ``round_robin`` and
-``load_balance`` as the algorithm of ``default_scheduler`` in ``single_node``. ``pd_separate`` is
-refused at startup: PD disaggregation is not implemented yet.
+``load_balance`` as the algorithm of ``default_scheduler`` in ``single_node``. ``pd_separate``
+(PD disaggregation, :mod:`.pd`) requires the spec's pairing, ``digs_scheduler`` +
+``load_balance``; any other scheduler or algorithm is refused at startup.
 """
 
 from __future__ import annotations
@@ -173,9 +174,13 @@ def coordinator_config_from_dict(data: Any, *, source_path: str | None = None,
     scheduler = digs.string("scheduler_type", choices=("digs_scheduler", "default_scheduler"))
     algorithm = digs.string("algorithm_type", choices=ALGORITHMS)
     if mode == "pd_separate":
-        raise ConfigError("digs_scheduler_config.deploy_mode", mode,
-                          "'single_node' (pd_separate, PD disaggregation, is not implemented yet in mindie-host)")
-    if scheduler != "default_scheduler":
+        if scheduler != "digs_scheduler":
+            raise ConfigError("digs_scheduler_config.scheduler_type", scheduler,
+                              "'digs_scheduler' when deploy_mode is 'pd_separate'")
+        if algorithm != "load_balance":
+            raise ConfigError("digs_scheduler_config.algorithm_type", algorithm,
+                              "'load_balance' when deploy_mode is 'pd_separate' (scheduler_type 'digs_scheduler')")
+    elif scheduler != "default_scheduler":
         raise ConfigError("digs_scheduler_config.scheduler_type", scheduler,
                           "'default_scheduler' when deploy_mode is 'single_node'")
     sched_values = {

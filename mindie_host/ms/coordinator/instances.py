@@ -6,6 +6,10 @@
 a failed instance comes back on the first refresh that lists it at least
 :data:`READMIT_AFTER` seconds after the failure (the controller lists only servers whose
 latest ``/v1/status`` poll succeeded).
+
+In pd_separate ``static_info.role`` says what an instance is (80 P, 68 D, 85 none) and the
+optional ``static_info.inter_comm_port`` (1024..65535, a mindie-host addition from the server's
+``/v1/config``) where a P reaches it as a D (the ``d-target`` header).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 READMIT_AFTER = 2.0
-ROLES = (80, 68, 85)
+ROLE_PREFILL = 80
+ROLE_DECODE = 68
+ROLE_NONE = 85
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_NONE)
 
 
 class RefreshError(ValueError):
@@ -77,6 +84,16 @@ class Instance:
 
     def blocks_ratio(self) -> float:
         return self.free_blocks() / self.total_blocks if self.total_blocks else 1.0
+
+    @property
+    def role(self) -> int:
+        """``static_info.role``: 80 (P), 68 (D) or 85 (none, the single_node default)."""
+        return int(self.static.get("role") or ROLE_NONE)
+
+    @property
+    def inter_comm_port(self) -> int:
+        """``static_info.inter_comm_port``; 0 when not given."""
+        return int(self.static.get("inter_comm_port") or 0)
 
     def mark_failed(self, reason: str) -> None:
         self.failed_at = time.monotonic()
@@ -139,6 +156,7 @@ def parse_refresh(body: Any) -> tuple[list[int], dict[int, dict[str, Any]]]:
         role = _int(static, "role", sw, 0, 255, required=False)
         if role is not None and role not in ROLES:
             raise RefreshError(f"{sw}.role must be 80 (P), 68 (D) or 85 (undefined), got {role}")
+        _int(static, "inter_comm_port", sw, 1024, 65535, required=False)
         dw = f"{where}.dynamic_info"
         _int(dynamic, "avail_slots_num", dw, required=False)
         _int(dynamic, "avail_block_num", dw, required=False)

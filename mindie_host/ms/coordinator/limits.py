@@ -8,6 +8,11 @@
   size is the request body's length), until ``schedule_timeout`` ("Request schedule timeout").
 * With no instance in rotation at all a request is refused with "MindIE-MS Coordinator is not
   ready" (503) rather than queued.
+
+:meth:`Scheduler.acquire` can be narrowed to some instances (``accept``, e.g. the P instances in
+pd_separate) with its own refusal message (``missing``) when none of them is in rotation. Each
+``accept`` has its own queue (same order rule), so a request that holds a P while it waits for a
+D is never stuck behind one that waits for a P.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .instances import Instance, InstanceTable
@@ -42,6 +48,8 @@ class _Waiter:
     info: RequestInfo = field(compare=False)
     future: asyncio.Future[Instance] = field(compare=False)
     exclude: frozenset[int] = field(compare=False, default=frozenset())
+    accept: Callable[[Instance], bool] | None = field(compare=False, default=None)
+    missing: str = field(compare=False, default=NOT_READY)
 
 
 class Scheduler:
@@ -56,8 +64,13 @@ class Scheduler:
         self.reordering = reordering
         self.schedule_timeout = schedule_timeout
         self.in_coordinator = 0
-        self.queue: list[_Waiter] = []
+        self.queues: dict[Callable[[Instance], bool] | None, list[_Waiter]] = {None: []}
         self._seq = itertools.count()
+
+    @property
+    def queue(self) -> list[_Waiter]:
+        """The queue of requests that may take any instance (the only one in single_node)."""
+        return self.queues[None]
 
     def admit(self) -> None:
         """Count a new request in, or refuse it (429) over ``max_requests``."""
@@ -69,8 +82,11 @@ class Scheduler:
         """A request admitted with :meth:`admit` is over."""
         self.in_coordinator -= 1
 
-    def _eligible(self, exclude: frozenset[int]) -> list[Instance]:
-        return [i for i in self.table.available() if i.active < self.per_instance and i.id not in exclude]
+    def _candidates(self, exclude: frozenset[int], accept: Callable[[Instance], bool] | None) -> list[Instance]:
+        return [i for i in self.table.available() if i.id not in exclude and (accept is None or accept(i))]
+
+    def _eligible(self, exclude: frozenset[int], accept: Callable[[Instance], bool] | None = None) -> list[Instance]:
+        return [i for i in self._candidates(exclude, accept) if i.active < self.per_instance]
 
     def _rank(self, info: RequestInfo) -> tuple[int, int]:
         seq = next(self._seq)
@@ -86,17 +102,22 @@ class Scheduler:
         self.router.chosen(inst, info)
         return inst
 
-    async def acquire(self, info: RequestInfo, exclude: frozenset[int] = frozenset()) -> Instance:
-        """An instance for ``info`` (not one of ``exclude``), waiting in the queue when all are busy."""
-        candidates = [i for i in self.table.available() if i.id not in exclude]
-        if not candidates:
-            raise Refused(NOT_READY, 503)
-        eligible = self._eligible(exclude)
-        if eligible and not self.queue:
+    async def acquire(self, info: RequestInfo, exclude: frozenset[int] = frozenset(),
+                      accept: Callable[[Instance], bool] | None = None, missing: str = NOT_READY) -> Instance:
+        """An instance for ``info`` (not one of ``exclude``), waiting in the queue when all are busy.
+
+        ``accept`` narrows the instances considered; when none of them is in rotation the request is
+        refused (503) with ``missing``.
+        """
+        if not self._candidates(exclude, accept):
+            raise Refused(missing, 503)
+        eligible = self._eligible(exclude, accept)
+        queue = self.queues.setdefault(accept, [])
+        if eligible and not queue:
             return self._assign(self.router.pick(eligible, info), info)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(self._rank(info), info, loop.create_future(), exclude)
-        heapq.heappush(self.queue, waiter)
+        waiter = _Waiter(self._rank(info), info, loop.create_future(), exclude, accept, missing)
+        heapq.heappush(queue, waiter)
         self.dispatch()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.schedule_timeout or None)
@@ -114,24 +135,29 @@ class Scheduler:
             self.release(future.result(), waiter.info)
             return
         future.cancel()
-        self.queue = [w for w in self.queue if w is not waiter]
-        heapq.heapify(self.queue)
+        queue = [w for w in self.queues.get(waiter.accept, []) if w is not waiter]
+        heapq.heapify(queue)
+        self.queues[waiter.accept] = queue
 
     def dispatch(self) -> None:
-        """Give free instances to queued requests, in queue order."""
-        while self.queue:
-            head = self.queue[0]
+        """Give free instances to queued requests, each queue in its order."""
+        for queue in self.queues.values():
+            self._dispatch(queue)
+
+    def _dispatch(self, queue: list[_Waiter]) -> None:
+        while queue:
+            head = queue[0]
             if head.future.done():
-                heapq.heappop(self.queue)
+                heapq.heappop(queue)
                 continue
-            if not [i for i in self.table.available() if i.id not in head.exclude]:
-                heapq.heappop(self.queue)
-                head.future.set_exception(Refused(NOT_READY, 503))
+            if not self._candidates(head.exclude, head.accept):
+                heapq.heappop(queue)
+                head.future.set_exception(Refused(head.missing, 503))
                 continue
-            eligible = self._eligible(head.exclude)
+            eligible = self._eligible(head.exclude, head.accept)
             if not eligible:
                 return
-            heapq.heappop(self.queue)
+            heapq.heappop(queue)
             head.future.set_result(self._assign(self.router.pick(eligible, head.info), head.info))
 
     def release(self, inst: Instance, info: RequestInfo) -> None:
