@@ -56,16 +56,20 @@ def _config(**changes: object) -> Config:
 
 
 def test_keys_without_effect_are_reported() -> None:
-    cfg = _config(ServerConfig__interCommPort=1300)
+    cfg = _config(ServerConfig__interCommTlsCert="other/server.pem")
     notes = no_effect(cfg)
-    assert any(n.startswith("ServerConfig.interCommPort is 1300: no effect here") for n in notes)
+    assert any(n.startswith("ServerConfig.interCommTlsCert is 'other/server.pem': no effect here") for n in notes)
     assert not no_effect(config_from_dict(default_config_dict()))
 
 
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"ServerConfig__inferMode": "dmi"}, "ServerConfig.inferMode: got 'dmi'; allowed 'standard'"),
+        ({"ServerConfig__inferMode": "dmi"}, "ServerConfig.interCommTLSEnabled: got true with ServerConfig.inferMode "
+         "'dmi'; allowed false"),
+        ({"ServerConfig__inferMode": "dmi", "ServerConfig__interCommTLSEnabled": False,
+          "BackendConfig__modelInstanceNumber": 2, "BackendConfig__npuDeviceIds": [[0], [1]]},
+         "BackendConfig.modelInstanceNumber: got 2 with ServerConfig.inferMode 'dmi'; allowed 1"),
     ],
 )
 def test_settings_this_host_cannot_honour_are_refused(changes: dict[str, object], expected: str) -> None:
