@@ -231,6 +231,25 @@ class _Capture:
         return text
 
 
+def _body_once(body: bytes, then: Any) -> Any:
+    """An ASGI ``receive`` that gives ``body`` whole, then whatever ``then()`` gives."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()  # type: ignore[no-any-return]
+
+    return receive
+
+
+async def _never_disconnect() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
 async def _read_body(receive: Any) -> bytes | None:
     parts, size = [], 0
     while True:
@@ -294,15 +313,7 @@ class PDGate:
         if body is None:
             await _error("the request body could not be read (client gone, or over 64 MiB)", 413)(scope, receive, send)
             return
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay = _body_once(body, receive)  # then the connection's own messages (a disconnect)
         call = PDCall(PREFILL, req_id)
         capture = _Capture(call.handed_off)
         token = current_call.set(call)
@@ -422,15 +433,7 @@ async def decode_replay(host: Host, app: Any, message: dict[str, Any]) -> None:
 
     call.on_unit = on_unit
     body = base64.b64decode(message["body"])
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # never a disconnect: D runs to the end, the coordinator reads /dresult
-        return {"type": "http.disconnect"}
+    receive = _body_once(body, _never_disconnect)  # D runs to the end; the coordinator reads /dresult
 
     headers = [(k.encode(), str(v).encode("latin-1")) for k, v in message.get("headers", {}).items()]
     headers.append((b"content-length", str(len(body)).encode()))
