@@ -157,6 +157,8 @@ def test_v1_config_has_the_spec_fields(tiny_server: RunningServer) -> None:
         # beyond the spec: what the MS controller needs for total_slots_num / total_block_num
         "maxBatchSize": cfg.schedule.maxBatchSize,
         "totalBlockNum": r.json()["totalBlockNum"],
+        # beyond the spec: the MS controller reads it to know a server can take a PD role
+        "inferMode": "standard",
     }
     assert r.json()["totalBlockNum"] > 0
 

@@ -275,7 +275,8 @@ class EngineProcessClient(AsyncEngine):
                 frames = pull.recv_multipart()
                 kind = frames[0].decode()
                 if kind == ipc.READY:
-                    info: ModelInfo = pickle.loads(frames[1])
+                    info: ModelInfo
+                    info, self.engine_stats = pickle.loads(frames[1])  # stats: /v1/config's block count at once
                     return info
                 if kind == ipc.FAILED:
                     raise _start_failure(frames)
@@ -535,7 +536,7 @@ def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_add
         push.close(linger=2000)
         ctx.term()
         raise SystemExit(3) from None
-    push.send_multipart([ipc.READY.encode(), pickle.dumps(host.info)])
+    push.send_multipart([ipc.READY.encode(), pickle.dumps((host.info, host.stats()))])
     try:
         _serve_steps(host, pull, push, parent_pid)
     finally:
