@@ -74,9 +74,9 @@ def pct(xs: list[float], p: float) -> float | None:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-              res: dict[str, Any]) -> None:
+              res: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, **(extra or {})}
     t0 = time.perf_counter()
     first: float | None = None
     last = t0
