@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--profile", type=int, help="print torch.profiler's operator table for one step of this batch")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     per_seq = -(-(args.context + 1) // block_size)
     cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
-                                     "maxKvBlocks": max(1 + max(batches) * per_seq, 65)},
+                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + max(batches) * per_seq, 65)},
                         schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)})
     host = loaded_host(cfg)
     backend = host.backend

@@ -153,6 +153,15 @@ class Platform:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
+    def attention_dtype(self, cache_dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention computes in over a cache of ``cache_dtype``.
+
+        On CPU, float32: torch's CPU attention in bfloat16 ran about 6x slower than in float32 for a
+        decode step here (bench/PERF.md, "bf16 KV cache: attention in float32 on CPU"), so a 16-bit
+        cache is read back to float32 (the gather moves half the bytes; the products run at fp32 speed).
+        """
+        return torch.float32 if cache_dtype in (torch.bfloat16, torch.float16) else cache_dtype
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
@@ -174,8 +183,9 @@ class Platform:
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         heads, dim = q.shape[1], q.shape[2]
-        keys = gather_slots(k_cache, meta.gather_index).transpose(1, 2)  # [B, KV, ctx, D]
-        values = gather_slots(v_cache, meta.gather_index).transpose(1, 2)
+        dt = self.attention_dtype(k_cache.dtype)
+        keys = gather_slots(k_cache, meta.gather_index).transpose(1, 2).to(dt)  # [B, KV, ctx, D]
+        values = gather_slots(v_cache, meta.gather_index).transpose(1, 2).to(dt)
         if meta.pad_index is None:
             qb = q.view(num_seqs, max_q, heads, dim)
         else:
@@ -201,6 +211,7 @@ class Platform:
         the same shapes as when it is the only one served (bench/PERF.md, "Batch invariance").
         """
         heads, dim = q.shape[1], q.shape[2]
+        dt = self.attention_dtype(k_cache.dtype)
         out = torch.empty_like(q)
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
@@ -209,9 +220,9 @@ class Platform:
             if n > 1:  # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n).view(1, 1, n, ctx)
             o = self.attention(
-                q[start : start + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype),  # [1, H, n, D]
-                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
-                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0),
+                q[start : start + n].transpose(0, 1).unsqueeze(0).to(dt),  # [1, H, n, D]
+                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),  # [1, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),
                 mask,
                 scale,
             )
@@ -229,6 +240,7 @@ class Platform:
         query runs on its own, each over only its own context.
         """
         heads, dim = q.shape[1], q.shape[2]
+        dt = self.attention_dtype(k_cache.dtype)
         out = torch.empty_like(q)
         starts = [0]
         for n in meta.query_lens:
@@ -242,9 +254,9 @@ class Platform:
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) < torch.tensor(
                 [meta.context_lens[i] for i in singles], device=q.device).unsqueeze(1)
             o = self.attention(
-                q[rows].unsqueeze(2).to(k_cache.dtype),  # [b, H, 1, D]
-                gather_slots(k_cache, slots).transpose(1, 2),  # [b, KV, ctx, D]
-                gather_slots(v_cache, slots).transpose(1, 2),
+                q[rows].unsqueeze(2).to(dt),  # [b, H, 1, D]
+                gather_slots(k_cache, slots).transpose(1, 2).to(dt),  # [b, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(1, 2).to(dt),
                 mask.view(len(singles), 1, 1, ctx),
                 scale,
             )
@@ -258,9 +270,9 @@ class Platform:
             # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
             o = self.attention(
-                qi.to(k_cache.dtype),
-                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0),  # [1, KV, ctx, D]
-                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0),
+                qi.to(dt),
+                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),  # [1, KV, ctx, D]
+                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),
                 mask.view(1, 1, n, ctx),
                 scale,
             )
@@ -307,6 +319,10 @@ class CudaPlatform(Platform):
     #: execution plan for every new shape (tens of ms each), and a serving step's context length
     #: changes every step (bench/PERF.md, round 3)
     ATTENTION_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+    def attention_dtype(self, cache_dtype: torch.dtype) -> torch.dtype:
+        """The cache's own dtype: CUDA's attention kernels are fastest in 16-bit."""
+        return cache_dtype
 
     def __init__(self) -> None:
         from torch.nn.attention import SDPBackend
