@@ -10,7 +10,8 @@ distribution is compared with the fp32 reference's.
     python bench/quant_accuracy.py --model DIR --json out.json
 
 Variants: fp32 (``quantization: none``, the reference), ``auto`` (the GGUF file's own
-4/8-bit path), w8a16 and w8a8 quantized at load (no calibration), w8a16 and w8a8 checkpoints
+4/8-bit path, with prompt rows in bfloat16 as served by default, and with them through the low-bit
+kernel too), w8a16 and w8a8 quantized at load (no calibration), w8a16 and w8a8 checkpoints
 written by ``mindie-host quantize`` (w8a8 calibrated and smoothed), and ``kvCacheDtype: int8``.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -51,9 +53,22 @@ def eval_text() -> str:
 
 
 def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> list[torch.Tensor]:
-    """Float32 logits at every position of every chunk (each chunk one prefill)."""
-    backend = TorchBackend(resolve_model(path), name="eval", dtype="float32", platform=Platform(), **backend_kw)
-    backend.load()
+    """Float32 logits at every position of every chunk (each chunk one prefill, its rows marked as prompt tokens).
+
+    ``env`` in ``backend_kw`` sets environment variables while the model loads (its weight formats are chosen then).
+    """
+    env = backend_kw.pop("env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        backend = TorchBackend(resolve_model(path), name="eval", dtype="float32", platform=Platform(), **backend_kw)
+        backend.load()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     block = 16
     blocks = -(-max(len(c) for c in chunks) // block)
     backend.allocate_kv_cache(blocks + 1, block)
@@ -63,6 +78,7 @@ def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> 
         out.append(backend.execute(ModelInput(
             input_ids=chunk, positions=list(range(n)), query_lens=[n], context_lens=[n],
             block_tables=[list(range(1, blocks + 1))], logits_indices=list(range(n)), row_variants=[-1],
+            prompt_lens=[n],
         )).float())
     backend.shutdown()
     return out
@@ -113,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             ("w8a8 checkpoint + int8 KV cache", w8a8_dir, {"quantization": "auto", "kv_cache_dtype": "int8"}),
         ]
         if source.kind == "gguf":
-            variants.insert(0, ("GGUF low-bit path (quantization: auto)", model, {"quantization": "auto"}))
+            variants[:0] = [
+                ("GGUF path (quantization: auto; prompt rows bf16, the default)", model, {"quantization": "auto"}),
+                ("GGUF path, prompt rows through the low-bit kernel (MINDIE_HOST_PROMPT_BF16=0)", model,
+                 {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_BF16": "0"}}),
+            ]
         for label, path, kw in variants:
             if args.only and args.only not in label:
                 continue

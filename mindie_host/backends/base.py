@@ -113,7 +113,8 @@ class ModelInput:
     -1 = the base model), read by the linear-delta provider (:class:`LinearDeltas`).
     ``payloads`` lists, for each sequence whose request carries a plugin payload
     (:attr:`EngineRequest.payload`), a :class:`PayloadSlice`; ``None`` (the text-only
-    case) when none does.
+    case) when none does. ``prompt_lens[i]`` is sequence ``i``'s prompt length, so a backend
+    can tell prompt tokens from generated ones (the CPU backend multiplies them differently).
     """
 
     input_ids: list[int]
@@ -124,6 +125,8 @@ class ModelInput:
     logits_indices: list[int]
     row_variants: list[int] = field(default_factory=list)
     payloads: list[PayloadSlice] | None = None
+    #: each sequence's prompt length: rows at positions below it are prompt tokens (empty: not known)
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -10,9 +10,9 @@ turns each ``[out, in]`` weight into one of these, and :meth:`Platform.linear` c
   channel by torch's weight-only int8 kernel for products of few rows.
 
 Decode of few sequences on CPU is bound by reading weights, so bytes per weight decide
-the speed of one-row products; products of many rows are bound by arithmetic, where
-MKL's fp32 GEMM is the fastest kernel here, so the low-bit formats keep a dense copy
-for those. Activations stay in floating point (bfloat16 for the low-bit kernels):
+the speed of one-row products; products of many rows are bound by arithmetic, so the
+low-bit formats keep a dense copy for those: bfloat16 for the prompt rows of the default
+batch-invariant mode (:class:`PromptRows`), MKL's fp32 otherwise. Activations stay in floating point (bfloat16 for the low-bit kernels):
 int8 activations cost too much accuracy on small models (bench/PERF.md).
 """
 
@@ -58,8 +58,49 @@ def batch_invariant() -> bool:
     return os.environ.get("MINDIE_HOST_BATCH_INVARIANT", "1") != "0"
 
 
-def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a plain tensor or any weight format of this module (they are callables)."""
+def prompt_bf16_enabled() -> bool:
+    """Whether a low-bit matrix multiplies prompt tokens in bfloat16 (the default; ``MINDIE_HOST_PROMPT_BF16=0``
+    keeps the low-bit kernel for them too). See :class:`PromptRows`."""
+    return os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0"
+
+
+class PromptRows:
+    """Which rows of a step's products are prompt tokens (the rest are generated tokens).
+
+    Prompts arrive hundreds of rows at a time, where products are bound by arithmetic: a
+    low-bit matrix multiplies those rows with its bfloat16 copy (oneDNN's bf16 GEMM, several
+    times the int4 kernel's rate at hundreds of rows, bench/PERF.md), and generated tokens with
+    its low-bit kernel, bound by bytes read. The choice follows the token, never the batch:
+    oneDNN's bf16 product gives each row the same bits at any row count, so a greedy request's
+    output does not depend on what shares its step, how its prompt was chunked, or how much
+    of it a prefix cache held.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        #: every row is a prompt token
+        self.all = bool(mask.all())
+        #: the indices of prompt rows and of generated rows (None when ``all``)
+        self.prompt = None if self.all else mask.nonzero().squeeze(1)
+        self.generated = None if self.all else (~mask).nonzero().squeeze(1)
+
+    @staticmethod
+    def of(positions: torch.Tensor, query_lens: list[int], prompt_lens: list[int]) -> PromptRows | None:
+        """The prompt rows of a step (flat ``positions``); None when it has none or prompt lengths are unknown."""
+        if not prompt_lens or all(p <= 0 for p in prompt_lens):
+            return None
+        limit = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(query_lens)).to(positions.device)
+        mask = positions < limit
+        return PromptRows(mask) if bool(mask.any()) else None
+
+
+def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 prompt_rows: PromptRows | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain tensor or any weight format of this module (they are callables).
+
+    ``prompt_rows`` says which rows are prompt tokens; only a :class:`LowBitWeight` multiplies them differently.
+    """
+    if prompt_rows is not None and isinstance(weight, LowBitWeight):
+        return weight(x, bias, prompt_rows)
     return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
 
 
@@ -109,6 +150,12 @@ class LowBitWeight(ABC):
         #: None in batch-invariant mode: every product reads the low-bit copy
         self.dense = dense
         self._shape = shape if shape is not None else dense.shape
+        #: batch-invariant mode: a bfloat16 copy for prompt rows (:class:`PromptRows`), or None
+        self.prompt_weight: torch.Tensor | None = None
+
+    def keep_prompt_copy(self, weight: torch.Tensor) -> None:
+        """Keep ``weight`` (the file's values, dense) in bfloat16 for the prompt rows of batch-invariant steps."""
+        self.prompt_weight = weight.to(torch.bfloat16).contiguous()
 
     @property
     def shape(self) -> torch.Size:
@@ -118,15 +165,31 @@ class LowBitWeight(ABC):
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.dense is None:  # batch-invariant: one kernel at every row count
-            out = self.small_product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        if self.dense is None:  # batch-invariant: one kernel per kind of token, at every row count
+            if prompt_rows is not None and self.prompt_weight is not None and x.dim() == 2:
+                out = self._by_kind(x, prompt_rows)
+            else:
+                out = self.small_product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
+                out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if bias is None else out + bias
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return apply_linear(self.dense, x, bias)
         out = self.small_product(x.to(torch.bfloat16)).to(x.dtype)
         return out if bias is None else out + bias
+
+
+    def _by_kind(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
+        """Prompt rows through the bfloat16 copy, generated rows through the low-bit kernel."""
+        assert self.prompt_weight is not None
+        if rows.all:
+            return F.linear(x.to(torch.bfloat16), self.prompt_weight).to(x.dtype)
+        assert rows.prompt is not None and rows.generated is not None
+        out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
+        out[rows.prompt] = F.linear(x[rows.prompt].to(torch.bfloat16), self.prompt_weight).to(x.dtype)
+        out[rows.generated] = self.small_product(x[rows.generated].to(torch.bfloat16)).to(x.dtype)
+        return out
 
 
 class FourBitWeight(LowBitWeight):

@@ -22,10 +22,12 @@ from .linear import (
     Int8Weight,
     LowBitWeight,
     PackedWeight,
+    PromptRows,
     apply_linear,
     batch_invariant,
     low_bit_kernels_available,
     mkl_packing_available,
+    prompt_bf16_enabled,
 )
 
 if TYPE_CHECKING:
@@ -119,8 +121,12 @@ class Platform:
             return weight
         if stored is None or not low_bit_kernels_available():
             return PackedWeight(weight) if mkl_packing_available() else weight
-        if batch_invariant():  # the low-bit kernel at every row count; no dense copy is kept
-            return Int8Weight(weight, keep_dense=False) if stored == "int8" else FourBitWeight(stored, None)  # type: ignore[arg-type]
+        if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
+            low: LowBitWeight = (Int8Weight(weight, keep_dense=False) if stored == "int8"
+                                 else FourBitWeight(stored, None))  # type: ignore[arg-type]
+            if prompt_bf16_enabled():
+                low.keep_prompt_copy(weight)
+            return low
         low_bit: type[LowBitWeight] = Int8Weight if stored == "int8" else FourBitWeight
         # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
         buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
@@ -132,9 +138,14 @@ class Platform:
         (:mod:`mindie_host.backends.int8`); a platform with its own int8 kernels overrides this."""
         return prepare_int8_weight(matrix, self.device(), dtype)
 
-    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear` or :meth:`prepare_int8`."""
-        return apply_linear(weight, x, bias)
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
+               prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for a weight made by :meth:`prepare_linear` or :meth:`prepare_int8`.
+
+        ``prompt_rows`` marks the rows that are prompt tokens (:class:`~mindie_host.backends.linear.PromptRows`);
+        a platform may multiply those differently, as long as each row's result does not depend on the others.
+        """
+        return apply_linear(weight, x, bias, prompt_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension."""

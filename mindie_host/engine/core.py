@@ -329,6 +329,7 @@ class LLMEngine:
         tables: list[list[int]] = []
         logits_idx: list[int] = []
         variants: list[int] = []
+        prompt_lens: list[int] = []
         samplers: list[tuple[Sequence, int, int]] = []
         payloads: list[PayloadSlice] | None = None
         for seq, n in plan.scheduled:  # type: ignore[assignment]
@@ -343,6 +344,7 @@ class LLMEngine:
             ctx_lens.append(start + n)
             tables.append(self.kv.block_table(seq))
             variants.append(seq.variant)
+            prompt_lens.append(seq.prompt_len)
             want_prompt = seq.request.sampling.prompt_logprobs is not None and start < seq.prompt_len
             completes = start + n == seq.num_tokens
             if want_prompt:
@@ -358,7 +360,7 @@ class LLMEngine:
             ModelInput(
                 input_ids=ids, positions=positions, query_lens=q_lens, context_lens=ctx_lens,
                 block_tables=tables, logits_indices=logits_idx or [len(ids) - 1], row_variants=variants,
-                payloads=payloads,
+                payloads=payloads, prompt_lens=prompt_lens,
             ),
             samplers,
         )

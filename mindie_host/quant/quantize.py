@@ -72,7 +72,8 @@ class CalibrationPlatform(Platform):
     def prepare_linear(self, weight: torch.Tensor, stored: Any = None) -> Any:
         return weight
 
-    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
+               prompt_rows: Any = None) -> torch.Tensor:
         st = self.stats.get(id(weight))
         if st is None:
             inf = torch.full((x.shape[-1],), float("inf"))

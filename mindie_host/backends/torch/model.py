@@ -21,6 +21,7 @@ from ...models.rope import rope_of
 from ...models.weights import FourBitGroups, LlamaArch
 from ..base import LinearDeltas, ModelInput
 from ..int8 import Int8Matrix
+from ..linear import PromptRows
 from ..platform import AttentionMetadata, Platform
 from .graphs import DecodeGraphs
 
@@ -287,7 +288,8 @@ class TorchLlama:
             self.compiled_steps += 1
             hidden = self.compiled_decode(*args, kv_flat)
         else:
-            hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds)
+            prompt_rows = PromptRows.of(pos, batch.query_lens, batch.prompt_lens) if meta.max_query_len > 1 else None
+            hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds, prompt_rows)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
         return self.logits(hidden)
 
@@ -365,11 +367,13 @@ class TorchLlama:
         deltas: LinearDeltas | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prompt_rows: PromptRows | None = None,
     ) -> torch.Tensor:
         """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``.
 
         ``rope`` gives each token's cos and sin where they do not come from the tables (dynamic NTK,
-        multimodal RoPE); ``embeds`` replaces the embeddings of some rows (see :meth:`forward`).
+        multimodal RoPE); ``embeds`` replaces the embeddings of some rows (see :meth:`forward`);
+        ``prompt_rows`` marks the prompt tokens, which the layers' products may multiply differently.
         """
         arch, plat = self.arch, self.platform
         cos = (rope[0] if rope is not None else self.cos[pos]).unsqueeze(1)
@@ -380,7 +384,7 @@ class TorchLlama:
         n = ids.shape[0]
         for li, layer in enumerate(self.layers):
             h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)
-            qkv = plat.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = plat.linear(h, layer.qkv, layer.qkv_bias, prompt_rows)
             if deltas is not None:
                 qkv = deltas.apply("qkv", li, h, qkv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -391,19 +395,19 @@ class TorchLlama:
             k_cache, v_cache = kv_caches[li]
             plat.write_kv(k_cache, v_cache, k, v, meta)
             attn = plat.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(n, self.q_size)
-            o = plat.linear(attn, layer.o_proj)
+            o = plat.linear(attn, layer.o_proj, prompt_rows=prompt_rows)
             if deltas is not None:
                 o = deltas.apply("o", li, attn, o)
             if self.tp is not None:  # row-parallel: each rank holds a partial sum
                 o = self.tp.all_reduce(o)
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
-            gu = plat.linear(h, layer.gate_up)
+            gu = plat.linear(h, layer.gate_up, prompt_rows=prompt_rows)
             if deltas is not None:
                 gu = deltas.apply("gate_up", li, h, gu)
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            d = plat.linear(act, layer.down)
+            d = plat.linear(act, layer.down, prompt_rows=prompt_rows)
             if deltas is not None:
                 d = deltas.apply("down", li, act, d)
             if self.tp is not None:

@@ -1,0 +1,106 @@
+"""Prompt tokens multiply in bfloat16, generated tokens through the low-bit kernel, per token (issue 24).
+
+On the default model (GGUF, ``quantization: auto``, batch-invariant) a step that says which rows are
+prompt tokens (``ModelInput.prompt_lens``) multiplies those with each matrix's bfloat16 copy and the
+generated rows with the file's low-bit form. The choice follows the token, never the batch: a
+prompt's logits carry the same bits alone, beside other prompts, or beside decodes in a mixed step;
+and a decode row beside a prompt chunk gets the bits it gets alone. ``MINDIE_HOST_PROMPT_BF16=0``
+keeps the low-bit kernel for prompt rows; both stay close to the fp32 reference (``quantization:
+none``), which does not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindie_host.backends.base import ModelInput
+from mindie_host.backends.linear import LowBitWeight, PromptRows
+from mindie_host.backends.platform import Platform
+from mindie_host.backends.torch.backend import TorchBackend
+from mindie_host.models.default import default_model_path
+from mindie_host.models.weights import resolve_model
+
+LENGTHS = [37, 5, 64, 23]
+
+
+def load(quantization: str) -> TorchBackend:
+    backend = TorchBackend(resolve_model(default_model_path()), name="default", dtype="float32",
+                           quantization=quantization, platform=Platform())
+    backend.load()
+    backend.allocate_kv_cache(64, 16)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def auto() -> TorchBackend:
+    return load("auto")
+
+
+def prompts() -> list[list[int]]:
+    return [[(31 * s + 7 * t + 3) % 40000 for t in range(n)] for s, n in enumerate(LENGTHS)]
+
+
+def tables(k: int) -> list[int]:
+    return [5 * k + i for i in range(5)]
+
+
+def prefill(backend: TorchBackend, which: list[int], with_prompt_lens: bool = True) -> torch.Tensor:
+    """One step prefilling the prompts ``which`` together; the last row's logits of each."""
+    ps = prompts()
+    rows, ends = [], []
+    for s in which:
+        rows.extend(ps[s])
+        ends.append(len(rows) - 1)
+    return backend.execute(ModelInput(
+        input_ids=rows, positions=[t for s in which for t in range(LENGTHS[s])],
+        query_lens=[LENGTHS[s] for s in which], context_lens=[LENGTHS[s] for s in which],
+        block_tables=[tables(s) for s in which], logits_indices=ends, row_variants=[-1] * len(which),
+        prompt_lens=[LENGTHS[s] for s in which] if with_prompt_lens else []))
+
+
+def test_prompt_rows_are_found_by_position() -> None:
+    rows = PromptRows.of(torch.tensor([0, 1, 2, 7, 8, 3]), [3, 2, 1], [3, 8, 10])
+    assert rows is not None and not rows.all
+    assert rows.prompt is not None and rows.prompt.tolist() == [0, 1, 2, 3, 5]
+    assert rows.generated is not None and rows.generated.tolist() == [4]
+    assert PromptRows.of(torch.tensor([5, 6]), [1, 1], [3, 4]) is None  # decodes only
+    assert PromptRows.of(torch.tensor([0, 1]), [2], []) is None  # prompt lengths not known
+
+
+def test_low_bit_layers_keep_a_bf16_copy_for_prompts(auto: TorchBackend) -> None:
+    assert auto.model is not None
+    qkv = auto.model.layers[0].qkv
+    assert isinstance(qkv, LowBitWeight) and qkv.dense is None
+    assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16
+
+
+def test_a_prompts_logits_do_not_depend_on_what_shares_its_step(auto: TorchBackend) -> None:
+    together = prefill(auto, [0, 1, 2, 3])
+    for i, s in enumerate([0, 1, 2, 3]):
+        assert torch.equal(prefill(auto, [s])[0], together[i]), s
+
+
+def test_mixed_step_gives_each_kind_of_row_its_own_bits(auto: TorchBackend) -> None:
+    prefill(auto, [0])  # prompt 0's KV, then one decode token for it
+    alone = auto.execute(ModelInput(
+        input_ids=[11], positions=[LENGTHS[0]], query_lens=[1], context_lens=[LENGTHS[0] + 1],
+        block_tables=[tables(0)], logits_indices=[0], row_variants=[-1], prompt_lens=[LENGTHS[0]]))
+    mixed = auto.execute(ModelInput(
+        input_ids=[11, *prompts()[2]], positions=[LENGTHS[0], *range(LENGTHS[2])], query_lens=[1, LENGTHS[2]],
+        context_lens=[LENGTHS[0] + 1, LENGTHS[2]], block_tables=[tables(0), tables(2)],
+        logits_indices=[0, LENGTHS[2]], row_variants=[-1, -1], prompt_lens=[LENGTHS[0], LENGTHS[2]]))
+    assert torch.equal(mixed[0], alone[0])
+    assert torch.equal(mixed[1], prefill(auto, [2])[0])
+
+
+def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> None:
+    reference = load("none")
+    want = prefill(reference, [0, 2, 3])
+    bf16 = prefill(auto, [0, 2, 3])
+    low_bit = prefill(auto, [0, 2, 3], with_prompt_lens=False)  # no prompt rows known: the low-bit kernel
+    assert not torch.equal(bf16, low_bit)
+    for got in (bf16, low_bit):
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        probs, ref = torch.softmax(got, -1), torch.softmax(want, -1)
+        assert (probs - ref).abs().sum(-1).max() < 0.25  # total variation, both within the 4-bit file's error
