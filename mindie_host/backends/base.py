@@ -225,11 +225,13 @@ class ModelBackend(abc.ABC):
 
     def export_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         """The contents of cache ``blocks``, one CPU tensor ``[len(blocks), *block shape]`` per cache tensor.
-        Called from the KV connector's thread: it only reads blocks the engine holds untouched."""
+        Called from the KV connector's thread: it only reads blocks the engine holds untouched. Never called
+        on a backend whose :meth:`kv_block_shapes` is None (the default), so the default raises."""
         raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
 
     def import_blocks(self, blocks: list[int], tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` (as :meth:`export_blocks` returns them) into cache ``blocks`` (same order)."""
+        """Write ``tensors`` (as :meth:`export_blocks` returns them) into cache ``blocks`` (same order).
+        Never called on a backend whose :meth:`kv_block_shapes` is None (the default), so the default raises."""
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
     def warmup(self) -> None:  # noqa: B027 - optional hook

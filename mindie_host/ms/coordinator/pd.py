@@ -528,16 +528,20 @@ class _PDJob:
     def _p_envelope(self, envelope: dict[str, Any]) -> Response | None:
         """P's envelope before the answer started: a final Response, or None (stream or wait for D)."""
         self.content_type = str(envelope.get("contentType") or self.content_type)
-        error = envelope.get("error")
-        if isinstance(error, dict):
-            if error.get("recompute"):
-                self._d_failed(f"P could not hand the request to D: {error.get('message', '')}", dead=False)
-                raise _Recompute
-            return self._final(str(envelope.get("output") or ""), _error_status(error))
-        if envelope.get("isLastResp"):
-            return self._final(str(envelope.get("output") or ""), 200)
+        if isinstance(envelope.get("error"), dict) or envelope.get("isLastResp"):
+            return self._last(envelope, "P could not hand the request to D")
         self.streaming = bool(envelope.get("isStream"))
         return None
+
+    def _last(self, envelope: dict[str, Any], recompute_reason: str) -> Response:
+        """The answer a last (or error) envelope gives; raises :class:`_Recompute` when it asks for a recompute."""
+        error = envelope.get("error")
+        if not isinstance(error, dict):
+            return self._final(str(envelope.get("output") or ""), 200)
+        if error.get("recompute"):
+            self._d_failed(f"{recompute_reason}: {error.get('message', '')}", dead=False)
+            raise _Recompute
+        return self._final(str(envelope.get("output") or ""), _error_status(error))
 
     def _final(self, output: str, status: int) -> Response:
         data = output.encode()
@@ -552,15 +556,8 @@ class _PDJob:
             if isinstance(event, DFailed):
                 self._d_failed(f"the D's /dresult channel broke: {event.reason}", dead=True)
                 raise _Recompute
-            if not event.get("isLastResp"):
-                continue
-            error = event.get("error")
-            if isinstance(error, dict):
-                if error.get("recompute"):
-                    self._d_failed(f"D reported: {error.get('message', '')}", dead=False)
-                    raise _Recompute
-                return self._final(str(event.get("output") or ""), _error_status(error))
-            return self._final(str(event.get("output") or ""), 200)
+            if event.get("isLastResp"):
+                return self._last(event, "D reported")
 
     # -- the stream ---------------------------------------------------------------------------------
     async def _close(self) -> None:
