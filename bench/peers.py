@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,42 @@ def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[s
     if args.model:
         name = Path(args.model).name
         cmd += ["--model", args.model, "--model-name", name]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file(args, "mindie"))
+    log = log_file(args, "mindie")
+    compiled = compiles_on_cpu(config, args.device)
+    if compiled and log == subprocess.DEVNULL:  # the compile's end is read from the server's log
+        log = tempfile.NamedTemporaryFile(prefix="mindie-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     wait_ready(f"http://127.0.0.1:{mport}/v2/health/ready", proc)
+    if compiled:  # ready means serving, eagerly until the decode step has compiled in the background
+        wait_compiled(Path(log.name), proc)
     return proc, f"http://127.0.0.1:{port}", name
+
+
+def compiles_on_cpu(config: str | None, device: str | None) -> bool:
+    """Whether a mindie-host config compiles its decode step in the background (``compile: true`` on CPU)."""
+    if not config or (device or "cpu") not in ("cpu", "auto"):
+        return False
+    model = json.loads(Path(config).read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    return bool(model.get("compile")) and model.get("device", "auto") in ("cpu", "auto") and not _cuda()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def wait_compiled(log: Path, proc: subprocess.Popen[bytes], timeout: float | None = None) -> None:
+    """Wait for the server's log line saying decode steps now run compiled (or stay eager)."""
+    deadline = time.time() + (timeout or START_TIMEOUT)
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode})")
+        text = log.read_text(errors="replace")
+        if "now run compiled" in text or "stay eager" in text:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the decode step did not compile; see {log}")
 
 
 def start_llama(args: argparse.Namespace, slots: int = 16) -> tuple[subprocess.Popen[bytes], str, str] | None:

@@ -20,6 +20,7 @@ def _requests() -> list[EngineRequest]:
 def test_compiled_decode_gives_the_eager_tokens(tiny_model: Path) -> None:
     eager = loaded_host(server_config(tiny_model, model={"compile": False}))
     compiled = loaded_host(server_config(tiny_model, model={"compile": True}))
+    assert compiled.backend.wait_compiled(600)
     want = run_engine(eager, _requests())
     got = run_engine(compiled, _requests())
     for rid, out in want.items():
@@ -31,3 +32,22 @@ def test_compiled_decode_gives_the_eager_tokens(tiny_model: Path) -> None:
     # a lone request (batch of one is its own compiled graph) also matches
     one = [EngineRequest("solo", [3, 1, 4, 1, 5], SamplingParams(max_tokens=8, ignore_eos=True))]
     assert run_engine(compiled, one)["solo"].token_ids == run_engine(eager, one)["solo"].token_ids
+
+
+def test_requests_run_eagerly_while_the_step_compiles(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    """The compile runs in the background: the engine is ready and serves at once, with the same tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold cache
+    eager = loaded_host(server_config(tiny_model, model={"compile": False}))
+    compiled = loaded_host(server_config(tiny_model, model={"compile": True}))
+    backend = compiled.backend
+    assert not backend.compile_finished.is_set()  # warm-up returned before the compile ended
+    assert backend.model.compiled_decode is None
+    want = run_engine(eager, _requests())
+    got = run_engine(compiled, _requests())  # served now, eagerly or (if the compile ends meanwhile) compiled
+    assert {rid: out.token_ids for rid, out in got.items()} == {rid: out.token_ids for rid, out in want.items()}
+    assert backend.wait_compiled(600)
+    assert backend.model.compiled_decode is not None
+    before = backend.model.compiled_steps
+    again = run_engine(compiled, _requests())
+    assert backend.model.compiled_steps > before
+    assert {rid: out.token_ids for rid, out in again.items()} == {rid: out.token_ids for rid, out in want.items()}

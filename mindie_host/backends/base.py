@@ -235,7 +235,11 @@ class ModelBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
     def warmup(self) -> None:  # noqa: B027 - optional hook
-        """Run a throwaway step so the first request is not slow."""
+        """Run a throwaway step so the first request is not slow.
+
+        Called once, after :meth:`allocate_kv_cache` and before the first request. Longer work
+        (compiling a step, say) may go on in the background after it returns, as long as
+        :meth:`execute` serves every step meanwhile and no request waits on it."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Free device memory."""

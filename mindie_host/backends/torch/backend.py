@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import logging
+import pickle
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -17,6 +22,7 @@ from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
 from ..platform import Platform, select_platform
 from .model import TorchLlama
+from .precompile import PrecompileSpec
 
 log = logging.getLogger("mindie_host.backends.torch")
 
@@ -49,7 +55,9 @@ class TorchBackend(ModelBackend):
 
     ``compile_decode`` makes decode steps cheap to launch: on CPU through
     ``torch.compile`` (inductor), on CUDA as replays of CUDA graphs captured per
-    batch/context bucket (:mod:`~mindie_host.backends.torch.graphs`).
+    batch/context bucket (:mod:`~mindie_host.backends.torch.graphs`). On CPU the step
+    compiles on a background thread after :meth:`warmup` returns, so the server is ready
+    (and serves eager steps) while it compiles; :meth:`wait_compiled` waits for it.
     ``decode_graphs`` forces the bucketed graph path on or off (on CPU it then runs
     the padded step eagerly, which tests use).
     """
@@ -71,6 +79,12 @@ class TorchBackend(ModelBackend):
     ) -> None:
         self.source = source
         self.name = name
+        #: what a compile process needs to build the same backend (platform and progress aside)
+        self._init_kwargs: dict[str, Any] = dict(
+            source=source, name=name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+            compile_decode=compile_decode, decode_graphs=decode_graphs,
+        )
+        self._compile_child: subprocess.Popen[bytes] | None = None
         self.platform = platform or select_platform("auto")
         self.dtype = resolve_dtype(dtype, self.platform)
         self.kv_int8 = kv_cache_dtype == KV_INT8
@@ -97,6 +111,11 @@ class TorchBackend(ModelBackend):
         self.swap_space: list[torch.Tensor] = []
         self.tp: TensorParallel | None = None
         self.full_arch: LlamaArch | None = None  # the whole model's shape (self.arch is this rank's under TP)
+        self.num_blocks = 0
+        self.spare_block: int | None = None  # a cache block no sequence owns (decode graphs, compile warm-up)
+        self._compile_thread: threading.Thread | None = None
+        #: set when the decode step compiled in the background by :meth:`warmup` is in use (or failed)
+        self.compile_finished = threading.Event()
 
     # -- tensor parallelism ------------------------------------------------------------------
     def parallel_errors(self, world_size: int, key: str) -> list[str]:
@@ -164,8 +183,9 @@ class TorchBackend(ModelBackend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.arch is not None
-        # decode graphs pad batches with rows that write to a spare block no sequence owns
-        spare = 1 if self.decode_graphs else 0
+        # decode graphs pad batches with rows that write to a spare block no sequence owns; the decode step
+        # compiled while requests are served warms up there too
+        spare = 1 if self.decode_graphs or self.compile_decode else 0
         shape = self.platform.kv_cache_shape(num_blocks + spare, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
         if self.kv_int8:
@@ -180,6 +200,8 @@ class TorchBackend(ModelBackend):
             for _ in range(self.arch.num_layers)
         ]
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.spare_block = num_blocks if spare else None
         if self.decode_graphs and self.model is not None:
             self.model.enable_graphs(
                 self.kv_caches, num_blocks * block_size, self.GRAPH_MAX_SEQS, self.GRAPH_MAX_CONTEXT
@@ -293,16 +315,82 @@ class TorchBackend(ModelBackend):
         elif self.compile_decode and self.platform.device_type not in ("cpu", "cuda"):
             log.warning("compile is only supported on cpu and cuda; %s runs eager", self.platform.name)
         elif self.compile_decode and self.model is not None:
-            log.info("compiling the decode step (torch.compile; cached on disk after the first time)")
-            self.model.compile_decode(self.COMPILED_MAX_SEQS)
-            for seqs in (1, 2):  # one sequence is its own graph (size-1 dims are specialized)
-                self.execute(ModelInput(
-                    input_ids=[0] * seqs, positions=[4 + seqs] * seqs, query_lens=[1] * seqs,
-                    context_lens=[5 + seqs] * seqs, block_tables=[[0]] * seqs, logits_indices=list(range(seqs)),
-                    row_variants=[-1] * seqs,
-                ))
+            log.info("compiling the decode step in the background (torch.compile; cached on disk after the first "
+                     "time); decode steps run eagerly until it is ready")
+            self._compile_thread = threading.Thread(
+                target=self._compile_decode, args=(self.model,), name="mindie-host-compile", daemon=True
+            )
+            self._compile_thread.start()
         self.platform.synchronize()
 
+    def _compile_decode(self, model: TorchLlama) -> None:
+        """Compile the decode step on a thread of its own, while the engine serves eager steps.
+
+        Dynamo's tracing and inductor's lowering are Python and hold the GIL, which would slow the
+        eager steps served meanwhile many times over for the minutes a cold compile takes. So a
+        child process (:mod:`~mindie_host.backends.torch.precompile`) compiles first, filling
+        torch.compile's on-disk caches; this thread then compiles from them in seconds. Its warm-up
+        steps write only to the spare cache block, which no sequence owns, and the model switches
+        to the compiled step once they have run, so no request ever waits on a compile. A failed
+        compile leaves decode steps eager (logged).
+        """
+        start = time.monotonic()
+        try:
+            if self.platform.device_type == "cpu":
+                self._precompile_in_child()
+            child_s = time.monotonic() - start
+            self.compile_now(model)
+            log.info("decode steps of up to %d sequences now run compiled (%.1f s after warm-up; %.1f s of it in "
+                     "the compile process)", self.COMPILED_MAX_SEQS, time.monotonic() - start, child_s)
+        except Exception:
+            log.exception("compiling the decode step failed; decode steps stay eager")
+        finally:
+            self.compile_finished.set()
+
+    def compile_now(self, model: TorchLlama) -> None:
+        """Compile the decode step here and now (warm-up steps on the spare block), then serve through it."""
+        assert self.spare_block is not None
+        warm = []
+        for seqs in (1, 2):  # one sequence is its own graph (size-1 dims are specialized)
+            batch = ModelInput(
+                input_ids=[0] * seqs, positions=[4 + seqs] * seqs, query_lens=[1] * seqs,
+                context_lens=[5 + seqs] * seqs, block_tables=[[self.spare_block]] * seqs,
+                logits_indices=list(range(seqs)), row_variants=[-1] * seqs,
+            )
+            meta = model.build_metadata(batch, self.block_size)
+            warm.append((batch, self.platform.prepare_step(meta, batch, self.block_size)))
+        model.compile_decode(self.COMPILED_MAX_SEQS, warm, self.kv_caches)
+
+    def _precompile_in_child(self) -> None:
+        """Run the same compile in a child process, to fill the on-disk caches without holding this one's GIL."""
+        spec = PrecompileSpec(
+            backend=f"{type(self).__module__}:{type(self).__qualname__}",
+            kwargs={**self._init_kwargs, "compile_decode": True},
+            platform=self.platform.name,
+            threads=torch.get_num_threads(),
+            max_positions=self.model.cos.shape[0] if self.model is not None else 0,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-m", "mindie_host.backends.torch.precompile"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self._compile_child = child
+        _, err = child.communicate(pickle.dumps(spec))
+        if child.returncode != 0:  # the in-process compile then starts cold; slower, still correct
+            tail = err.decode(errors="replace").strip().splitlines()[-3:]
+            log.warning("the compile process exited with %s: %s", child.returncode, " | ".join(tail))
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile started by :meth:`warmup` (True at once when none was started);
+        whether it has finished (successfully or not)."""
+        if self._compile_thread is None:
+            return True
+        return self.compile_finished.wait(timeout)
+
     def shutdown(self) -> None:
+        if self._compile_child is not None and self._compile_child.poll() is None:
+            self._compile_child.kill()
         self.kv_caches = []
         self.model = None

@@ -278,15 +278,10 @@ class TorchLlama:
             if logits is not None:
                 return logits
         idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
-        if plain_decode and self.compiled_decode is not None and meta.num_seqs <= self.compiled_max_seqs:
-            kv_flat = [t for pair in kv_caches for t in pair]
-            args = (ids, pos, idx, meta.slot_mapping, meta.gather_index, meta.attn_mask)
-            for t in args:  # batch and context sizes vary; the caches and the model do not
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(meta.gather_index, 1)
-            torch._dynamo.maybe_mark_dynamic(meta.attn_mask, 3)
+        compiled = self.compiled_decode
+        if plain_decode and compiled is not None and meta.num_seqs <= self.compiled_max_seqs:
             self.compiled_steps += 1
-            hidden = self.compiled_decode(*args, kv_flat)
+            hidden = self._call_compiled(compiled, ids, pos, idx, meta, kv_caches)
         else:
             prompt_rows = PromptRows.of(pos, batch.query_lens, batch.prompt_lens) if meta.max_query_len > 1 else None
             hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds, prompt_rows)
@@ -300,18 +295,41 @@ class TorchLlama:
             logits = self.tp.gather_logits(logits, self.vocab_size)
         return logits.float()
 
-    def compile_decode(self, max_seqs: int) -> None:
-        """Run decode steps of up to ``max_seqs`` sequences (base model only) through ``torch.compile``.
+    def compile_decode(self, max_seqs: int, warm: list[tuple[ModelInput, AttentionMetadata]],
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Compile the decode step, then serve decode steps of up to ``max_seqs`` sequences (base model only)
+        through it.
 
         Inductor fuses the small operators between the matrix products (norms, rotary,
         residual adds, SiLU) into a few generated kernels, which removes most of the
         per-operator cost that dominates a small decode step on CPU (bench/PERF.md).
-        The graph is compiled once with dynamic batch and context sizes, at warm-up.
+        The graph is compiled with dynamic batch and context sizes by running the ``warm``
+        steps (decode steps whose K/V go to cache slots no sequence owns); only then does
+        :meth:`forward` start using it, so this may run on another thread while eager steps
+        are served (the backend does that).
         """
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-        self.compiled_max_seqs = max_seqs
         # a C++ wrapper around the generated kernels saves ~0.5 ms of Python per step
-        self.compiled_decode = torch.compile(self._decode, options={"cpp_wrapper": True})
+        compiled = torch.compile(self._decode, options={"cpp_wrapper": True})
+        with torch.inference_mode():  # as forward() runs it: the guards include the grad mode
+            for batch, meta in warm:
+                ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+                pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+                idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+                self._call_compiled(compiled, ids, pos, idx, meta, kv_caches)
+        self.compiled_max_seqs = max_seqs
+        self.compiled_decode = compiled
+
+    def _call_compiled(self, compiled: Any, ids: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
+                       meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One decode step through the compiled :meth:`_decode`."""
+        kv_flat = [t for pair in kv_caches for t in pair]
+        args = (ids, pos, idx, meta.slot_mapping, meta.gather_index, meta.attn_mask)
+        for t in args:  # batch and context sizes vary; the caches and the model do not
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(meta.gather_index, 1)
+        torch._dynamo.maybe_mark_dynamic(meta.attn_mask, 3)
+        return compiled(*args, kv_flat)
 
     def enable_graphs(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_slot: int, max_seqs: int, max_context: int

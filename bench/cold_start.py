@@ -1,0 +1,106 @@
+"""Cold start of a compiled config: time to readiness, service while the decode step compiles, time to compiled.
+
+Starts ``mindie-host serve`` with ``--config`` (default bench/configs/peers.json, ``compile: true``)
+and a fresh, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a temporary directory, unless
+``--cache-dir`` names one, to time a warm start), then:
+
+1. times readiness (``/v2/health/ready`` on the management port);
+2. runs the varied workload (bench/varied_load.py) at c=1 at once, while the decode step compiles;
+3. waits for the server's log line that decode steps now run compiled, and times it;
+4. runs the same c=1 load again, compiled.
+
+Prints one JSON line::
+
+    python bench/cold_start.py                      # cold: a fresh inductor cache
+    python bench/cold_start.py --cache-dir /tmp/ind # warm, once that directory has been filled
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from varied_load import make_prompts, run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPILED = "now run compiled"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Any, timeout: float) -> float | None:
+    """Seconds until ``check()`` is true (polling), or None at ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.25)
+    return None
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "bench" / "configs" / "peers.json"))
+    ap.add_argument("--cache-dir", default=None, help="inductor cache directory (default: a fresh one)")
+    ap.add_argument("-n", type=int, default=4, help="requests in each c=1 load")
+    ap.add_argument("--timeout", type=float, default=900)
+    a = ap.parse_args()
+    cache = a.cache_dir or tempfile.mkdtemp(prefix="inductor-cold-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    port, mport, xport = free_port(), free_port(), free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="cold-start-")) / "server.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mindie_host.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--management-port", str(mport), "--metrics-port", str(xport), "--config", a.config],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir(),
+        )
+    result: dict[str, Any] = {"config": a.config, "cache": "given" if a.cache_dir else "fresh"}
+    try:
+        if wait_for(lambda: ready(f"http://127.0.0.1:{mport}"), a.timeout) is None:
+            raise SystemExit(f"not ready after {a.timeout} s; see {log_path}")
+        result["ready_s"] = round(time.monotonic() - start, 1)
+        url = f"http://127.0.0.1:{port}"
+        prompts = make_prompts(a.n, seed=5)
+        model = "SmolLM2-135M-Instruct"
+        result["while_compiling"] = asyncio.run(run(url, model, a.n, 1, 128, prompts))
+        if wait_for(lambda: COMPILED in log_path.read_text(), a.timeout) is None:
+            raise SystemExit(f"the decode step did not compile within {a.timeout} s; see {log_path}")
+        result["compiled_s"] = round(time.monotonic() - start, 1)
+        # other prompts than the first load's, so the prefix cache does not serve them
+        result["compiled"] = asyncio.run(run(url, model, a.n, 1, 128, make_prompts(a.n, seed=6)))
+    finally:
+        server.terminate()
+        server.wait(60)
+    for key in ("while_compiling", "compiled"):
+        r = result[key]
+        result[key] = {k: r[k] for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "errors")}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
