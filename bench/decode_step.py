@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                         schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)})
     host = loaded_host(cfg)
     backend = host.backend
+    if args.compile:  # the decode step compiles in the background: time it once it is in use
+        backend.wait_compiled()
     results = {}
     for b in batches:
         batch = decode_batch(b, args.context, block_size, per_seq)

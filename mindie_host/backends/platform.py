@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
+from .cpu_attention import decode_attention
 from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
     FourBitWeight,
@@ -224,8 +226,22 @@ class Platform:
         heads, dim = q.shape[1], q.shape[2]
         dt = self.attention_dtype(k_cache.dtype)
         out = torch.empty_like(q)
+        single = self._single_token_rows(q, k_cache, meta)
+        if single is not None:  # one query token each: all of them in one kernel call (cpu_attention)
+            rows, seqs, ctx_lens = single
+            got = decode_attention(q if rows is None else q[rows], k_cache, v_cache,
+                                   meta.gather_index if seqs is None else meta.gather_index[seqs], ctx_lens, scale)
+            if got is not None:
+                if rows is None:
+                    return got.to(q.dtype)
+                out[rows] = got.to(q.dtype)
+            else:
+                single = None
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            if n == 1 and single is not None:  # done above
+                start += n
+                continue
             slots = meta.gather_index[i, :ctx]
             mask = None
             if n > 1:  # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
@@ -240,6 +256,29 @@ class Platform:
             out[start : start + n] = o[0].transpose(0, 1).to(q.dtype)
             start += n
         return out.reshape(q.shape[0], heads, dim)
+
+    @staticmethod
+    def _single_token_rows(
+        q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None:
+        """For the decode-attention kernel: the flat rows and sequence indices of the sequences with one query
+        token (None for each when that is every sequence) and their context lengths; None when there are none
+        or the cache is not a plain CPU tensor. Built at the first layer and kept in ``meta.extra``."""
+        if type(k_cache) is not torch.Tensor or k_cache.dim() != 3 or q.dtype != torch.float32 \
+                or not cpu_attention.enabled():
+            return None
+        if "single_token_rows" not in meta.extra:
+            lens = meta.query_lens
+            seqs = [i for i, n in enumerate(lens) if n == 1]
+            entry = None
+            if len(seqs) == len(lens):
+                entry = (None, None, torch.tensor(meta.context_lens, dtype=torch.long))
+            elif seqs:
+                starts = torch.tensor(lens, dtype=torch.long).cumsum(0) - torch.tensor(lens, dtype=torch.long)
+                index = torch.tensor(seqs, dtype=torch.long)
+                entry = (starts[index], index, torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.long))
+            meta.extra["single_token_rows"] = entry
+        return meta.extra["single_token_rows"]
 
     def _ragged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float

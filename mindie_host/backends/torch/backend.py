@@ -17,9 +17,11 @@ from ...distributed.tensor_parallel import ShardedDeltas, TensorParallel, parall
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
+from .. import cpu_attention
 from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
+from ..linear import batch_invariant
 from ..platform import Platform, select_platform
 from .model import TorchLlama
 from .precompile import PrecompileSpec
@@ -300,6 +302,8 @@ class TorchBackend(ModelBackend):
     def warmup(self) -> None:
         if not self.kv_caches:
             return
+        if self.platform.device_type == "cpu" and batch_invariant():
+            cpu_attention.kernel()  # built (or loaded from torch's extension cache) before the first request
         batch = ModelInput(
             input_ids=[0, 1], positions=[0, 1], query_lens=[2], context_lens=[2],
             block_tables=[[0]], logits_indices=[1], row_variants=[-1],
