@@ -10,6 +10,7 @@ for each batch size; ``--profile B`` prints torch.profiler's operator table for 
     python bench/decode_step.py --quantization none               # fp32 (round 1)
     python bench/decode_step.py --compile                         # compiled decode steps
     python bench/decode_step.py --batches 16 --profile 16         # where a B=16 step goes
+    python bench/decode_step.py --context 600 --spread 0.75       # contexts 150..1050 (mean 600)
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ from mindie_host.api import ModelInput
 from mindie_host.testing import loaded_host, server_config
 
 
-def decode_batch(batch: int, context: int, block_size: int, blocks_per_seq: int) -> ModelInput:
-    """``batch`` sequences of ``context`` cached tokens, each bringing one new token."""
+def contexts_of(batch: int, context: int, spread: float) -> list[int]:
+    """Cached tokens of each of ``batch`` sequences: ``context`` each, or evenly from ``context * (1 - spread)`` to
+    ``context * (1 + spread)`` (mean ``context``), as on a load of varied prompts."""
+    if batch == 1 or spread == 0:
+        return [context] * batch
+    return [max(1, round(context * (1 - spread + 2 * spread * i / (batch - 1)))) for i in range(batch)]
+
+
+def decode_batch(contexts: list[int], block_size: int, blocks_per_seq: int) -> ModelInput:
+    """Sequences of ``contexts`` cached tokens, each bringing one new token."""
+    batch = len(contexts)
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
-    return ModelInput(input_ids=[17] * batch, positions=[context] * batch, query_lens=[1] * batch,
-                      context_lens=[context + 1] * batch, block_tables=tables,
+    return ModelInput(input_ids=[17] * batch, positions=list(contexts), query_lens=[1] * batch,
+                      context_lens=[c + 1 for c in contexts], block_tables=tables,
                       logits_indices=list(range(batch)), row_variants=[-1] * batch)
 
 
@@ -42,21 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="contexts spread evenly over context * (1 -/+ spread) instead of all equal (0 to 1)")
     ap.add_argument("--profile", type=int, help="print torch.profiler's operator table for one step of this batch")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
-    per_seq = -(-(args.context + 1) // block_size)
+    per_seq = -(-(max(contexts_of(2, args.context, args.spread)) + 1) // block_size)
     cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
                                      "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + max(batches) * per_seq, 65)},
-                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)})
+                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)},
+                        deploy={"maxSeqLen": max(1024, per_seq * block_size)})
     host = loaded_host(cfg)
     backend = host.backend
     if args.compile:  # the decode step compiles in the background: time it once it is in use
         backend.wait_compiled()
     results = {}
     for b in batches:
-        batch = decode_batch(b, args.context, block_size, per_seq)
+        batch = decode_batch(contexts_of(b, args.context, args.spread), block_size, per_seq)
         for _ in range(2):
             backend.execute(batch)
         times = []
@@ -67,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         results[b] = round(statistics.median(times), 2)
         print(f"B={b:3d}  context {args.context}: {results[b]:7.2f} ms/step (median of {args.repeat})", flush=True)
     if args.profile:
-        batch = decode_batch(args.profile, args.context, block_size, per_seq)
+        batch = decode_batch(contexts_of(args.profile, args.context, args.spread), block_size, per_seq)
         with torch.profiler.profile() as prof:
             backend.execute(batch)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     print(json.dumps({"quantization": args.quantization, "compile": args.compile, "context": args.context,
+                      "spread": args.spread,
                       "ms_per_step": results}))
     host.shutdown()
     return 0

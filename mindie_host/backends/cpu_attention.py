@@ -7,57 +7,35 @@ two thirds of a 64-sequence decode step. The kernel does every generated token o
 call, each (sequence, KV head) by one thread in a fixed order, reading the cache in place; its
 output for a sequence is the same whatever shares the step.
 
-It is compiled with the machine's C++ compiler through ``torch.utils.cpp_extension`` the first time
-a process needs it (about 25 s) and loaded from torch's extension cache after that
-(``TORCH_EXTENSIONS_DIR``). Without a compiler, or with ``MINDIE_HOST_CPU_KERNELS=0``, decode
-attention stays on torch's operators (logged once).
+It is built on first use (about 25 s, then cached: :mod:`~mindie_host.backends.cpu_extensions`);
+without a compiler, or with ``MINDIE_HOST_CPU_KERNELS=0``, decode attention stays on torch's
+operators (logged once).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-log = logging.getLogger("mindie_host.backends")
+from .cpu_extensions import CppExtension, enabled
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-_lock = threading.Lock()
-_module: Any = None
-_tried = False
+__all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded"]
+
+_EXTENSION = CppExtension("mindie_host_decode_attention", "decode_attention.cpp", "decode-attention", fast_math=True)
 
 
-def enabled() -> bool:
-    """Whether the kernel may be used (``MINDIE_HOST_CPU_KERNELS=0`` turns it off)."""
-    return os.environ.get("MINDIE_HOST_CPU_KERNELS", "1") != "0"
+_registered = False
 
 
 def kernel() -> Any:
     """The built extension module, or None when it is off or cannot be built (tried once per process)."""
-    global _module, _tried
-    if _tried or not enabled():
-        return _module
-    with _lock:
-        if not _tried:
-            try:
-                from torch.utils.cpp_extension import load
-
-                _module = load(
-                    name="mindie_host_decode_attention",
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no headers: torch's operators serve instead
-                log.warning("the CPU decode-attention kernel could not be built (%s); decode attention runs on "
-                            "torch's operators", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            _tried = True
-    return _module
+    global _registered
+    mod = _EXTENSION.get()
+    if mod is not None and not _registered:
+        torch.library.register_fake("mindie_host_cpu::decode_attention")(_decode_attention_shape)
+        _registered = True
+    return mod
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -73,3 +51,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return None
     return mod.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), context_lens, scale)
 
+
+def loaded(cache: torch.Tensor) -> bool:
+    """Whether the kernel is already built and can read ``cache`` (never builds it: safe while tracing)."""
+    return _registered and cache.dtype in (torch.bfloat16, torch.float32) and cache.is_contiguous()
+
+
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` as the registered torch operator, which a compiled decode step calls without
+    going through Python. Only for after :func:`loaded` said yes; the arguments are as for
+    :func:`decode_attention`."""
+    return torch.ops.mindie_host_cpu.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(),
+                                                      context_lens.contiguous(), scale)
+
+
+def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape, dtype=torch.float32)

@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_matmul
+from .cpu_matmul import LowBitTiles
+
 if TYPE_CHECKING:
     from ..models.weights import FourBitGroups
 
@@ -207,8 +210,13 @@ class FourBitWeight(LowBitWeight):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.group_size = groups.group_size
+        #: the same codes for this package's own kernel (:mod:`~mindie_host.backends.cpu_matmul`)
+        self.tiles = (LowBitTiles.four_bit(codes, scale, torch.from_numpy(groups.offset), groups.group_size)
+                      if cpu_matmul.enabled() else None)
 
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and cpu_matmul.loaded():
+            return self.tiles(x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
@@ -231,6 +239,10 @@ class Int8Weight(LowBitWeight):
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
         self.codes = torch.round(weight / scale[:, None]).to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)
+        #: the same codes for this package's own kernel (:mod:`~mindie_host.backends.cpu_matmul`)
+        self.tiles = LowBitTiles.per_channel(self.codes, self.scale) if cpu_matmul.enabled() else None
 
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and cpu_matmul.loaded():
+            return self.tiles(x)
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)

@@ -190,8 +190,14 @@ class Platform:
         and run as one batch when that at most doubles the rows (a wave of short prompts); otherwise
         (decodes next to a long prefill chunk) they run ragged.
         """
-        if self.device_type == "cpu" and meta.query_lens and batch_invariant():
-            return self._per_sequence_attention(q, k_cache, v_cache, meta, scale)
+        if self.device_type == "cpu" and batch_invariant():
+            if meta.query_lens:
+                return self._per_sequence_attention(q, k_cache, v_cache, meta, scale)
+            if meta.max_query_len == 1 and meta.attn_mask is not None and cpu_attention.loaded(k_cache):
+                # a compiled decode step (tensors only): each sequence over exactly its context, in the kernel
+                context_lens = meta.attn_mask.reshape(meta.num_seqs, -1).sum(1)
+                out = cpu_attention.decode_attention_op(q, k_cache, v_cache, meta.gather_index, context_lens, scale)
+                return out.to(q.dtype)
         if meta.pad_index is not None and meta.num_seqs * meta.max_query_len > 2 * q.shape[0]:
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len

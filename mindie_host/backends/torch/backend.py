@@ -17,7 +17,7 @@ from ...distributed.tensor_parallel import ShardedDeltas, TensorParallel, parall
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
-from .. import cpu_attention
+from .. import cpu_attention, cpu_matmul
 from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
@@ -302,8 +302,7 @@ class TorchBackend(ModelBackend):
     def warmup(self) -> None:
         if not self.kv_caches:
             return
-        if self.platform.device_type == "cpu" and batch_invariant():
-            cpu_attention.kernel()  # built (or loaded from torch's extension cache) before the first request
+        self.load_cpu_kernels()  # built (or loaded from torch's extension cache) before the first request
         batch = ModelInput(
             input_ids=[0, 1], positions=[0, 1], query_lens=[2], context_lens=[2],
             block_tables=[[0]], logits_indices=[1], row_variants=[-1],
@@ -326,6 +325,15 @@ class TorchBackend(ModelBackend):
             )
             self._compile_thread.start()
         self.platform.synchronize()
+
+    def load_cpu_kernels(self) -> None:
+        """Build or load this package's C++ kernels on CPU (:mod:`~mindie_host.backends.cpu_extensions`): the
+        low-bit matrix product, and decode attention when decoding is batch-invariant."""
+        if self.platform.device_type != "cpu":
+            return
+        cpu_matmul.kernel()
+        if batch_invariant():
+            cpu_attention.kernel()
 
     def _compile_decode(self, model: TorchLlama) -> None:
         """Compile the decode step on a thread of its own, while the engine serves eager steps.
@@ -354,6 +362,7 @@ class TorchBackend(ModelBackend):
     def compile_now(self, model: TorchLlama) -> None:
         """Compile the decode step here and now (warm-up steps on the spare block), then serve through it."""
         assert self.spare_block is not None
+        self.load_cpu_kernels()  # the compiled step calls them (as the eager one does): loaded before tracing
         warm = []
         for seqs in (1, 2):  # one sequence is its own graph (size-1 dims are specialized)
             batch = ModelInput(

@@ -1,0 +1,114 @@
+"""The CPU low-bit matrix product (``lowbit_matmul.cpp``): 4-bit groups and 8-bit channels, any row count.
+
+torch's CPU int4 and int8 weight-only kernels read few bytes per weight, which is what a decode
+step of one or two sequences needs, but they run at 100-370 GFLOP/s whatever the row count, so a
+decode step of 16 to 64 sequences spends most of its time in them (bench/PERF.md). This kernel
+unpacks each tile of 32 output columns once per product into bfloat16 codes (exact: the codes are
+small integers) and runs every row over it with AVX512-BF16 dot products, applying the file's
+scales and offsets per group in float32: as fast as torch's kernel for one row, 2-4x faster at 16
+to 64 rows, and each row's result is the same bits at any row count (batch-invariant decoding).
+
+Needs AVX512-BF16 (checked when it is built). It is built on first use (then cached:
+:mod:`~mindie_host.backends.cpu_extensions`); otherwise torch's kernels serve.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .cpu_extensions import CppExtension, enabled
+
+__all__ = ["LowBitTiles", "enabled", "kernel", "loaded"]
+
+_EXTENSION = CppExtension("mindie_host_lowbit_matmul", "lowbit_matmul.cpp", "low-bit matmul")
+TILE = 32  # output columns per tile (lowbit_matmul.cpp's kTile)
+_usable = False
+
+
+def kernel() -> Any:
+    """The built extension module when it can run on this CPU, else None (built once per process)."""
+    global _usable
+    mod = _EXTENSION.get()
+    if mod is not None and not _usable and mod.available():
+        torch.library.register_fake("mindie_host_cpu::lowbit_matmul")(_lowbit_matmul_shape)
+        _usable = True
+    return mod if _usable else None
+
+
+def loaded() -> bool:
+    """Whether :func:`kernel` has built a usable kernel (never builds it: safe while tracing)."""
+    return _usable
+
+
+def _lowbit_matmul_shape(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, n: int,
+                         group_size: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """``[N, ...]`` padded to whole tiles of output rows, as ``[N / 32, 32, ...]``."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.view(t.shape[0] // TILE, TILE, *t.shape[1:])
+
+
+class LowBitTiles:
+    """A weight's low-bit codes in the kernel's layout: tiles of 32 output columns, codes in pairs along K.
+
+    ``W[n, k] == codes[n, k] * scale[n, k // group_size] + offset[n, k // group_size]``.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> None:
+        n, k = codes.shape
+        if k % group_size or group_size % 2:
+            raise ValueError(f"{k} columns do not split into groups of {group_size} (an even number)")
+        self.n, self.group_size = n, group_size
+        pairs = _tiles(codes).view(-1, TILE, k // 2, 2)  # [NT, 32, K/2, 2]
+        if codes.dtype == torch.uint8:  # 4-bit: both codes of a pair in one byte
+            self.codes = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [NT, K/2, 32]
+        else:  # int8: a pair per column, the 32 columns in a row
+            self.codes = pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], k // 2, 2 * TILE).contiguous()
+        #: the kernel multiplies 4-bit codes as 128 + code (exact in bfloat16, unpacked by bit operations):
+        #: their offsets take back the 128 * scale this adds
+        self.code_bias = 128.0 if codes.dtype == torch.uint8 else 0.0
+        self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
+        self.offset = _tiles(offset.float() - self.code_bias * scale.float()).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
+        """From 4-bit codes (uint8 in 0..15, ``[N, K]``) and their groups' float scales and offsets ``[N, K / gs]``."""
+        return LowBitTiles(codes.to(torch.uint8), scale, offset, group_size)
+
+    @staticmethod
+    def per_channel(codes: torch.Tensor, scale: torch.Tensor) -> LowBitTiles:
+        """From int8 codes ``[N, K]`` and one scale per output channel ``[N]``."""
+        return LowBitTiles(codes.to(torch.int8), scale.float()[:, None], torch.zeros(codes.shape[0], 1),
+                           codes.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in float32 for ``x [M, K]`` (rounded to bfloat16 first, as torch's low-bit kernels do)."""
+        if x.shape[1] % 2:
+            raise ValueError("K must be even")
+        x = x.to(torch.bfloat16).contiguous()
+        if torch.compiler.is_compiling():  # the registered operator (C++ all the way; see lowbit_matmul.cpp)
+            return torch.ops.mindie_host_cpu.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n,
+                                                           self.group_size)
+        return _EXTENSION.module.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n, self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[N, K]`` weight these tiles stand for (for tests)."""
+        nt, half, width = self.codes.shape
+        if self.codes.dtype == torch.uint8:
+            lo, hi = (self.codes & 15).permute(0, 2, 1), (self.codes >> 4).permute(0, 2, 1)  # [NT, 32, K/2]
+            codes = torch.stack([lo, hi], -1).reshape(nt * TILE, 2 * half).float()
+        else:
+            codes = self.codes.view(nt, half, TILE, 2).permute(0, 2, 1, 3).reshape(nt * TILE, 2 * half).float()
+        scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
+        offset = self.offset.transpose(1, 2).reshape(nt * TILE, -1)
+        groups = codes.view(nt * TILE, -1, self.group_size)
+        w = ((groups + self.code_bias) * scale[..., None] + offset[..., None]).view(nt * TILE, -1)
+        return w[: self.n]
+
