@@ -20,22 +20,18 @@ import torch
 
 from .cpu_extensions import CppExtension, enabled
 
-__all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded"]
+__all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded", "readable"]
 
-_EXTENSION = CppExtension("mindie_host_decode_attention", "decode_attention.cpp", "decode-attention", fast_math=True)
-
-
-_registered = False
 
 
 def kernel() -> Any:
     """The built extension module, or None when it is off or cannot be built (tried once per process)."""
-    global _registered
-    mod = _EXTENSION.get()
-    if mod is not None and not _registered:
-        torch.library.register_fake("mindie_host_cpu::decode_attention")(_decode_attention_shape)
-        _registered = True
-    return mod
+    return _EXTENSION.get()
+
+
+def readable(cache: torch.Tensor) -> bool:
+    """Whether the kernel reads a cache like ``cache`` (bfloat16 or float32, contiguous)."""
+    return cache.dtype in (torch.bfloat16, torch.float32) and cache.is_contiguous()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -47,14 +43,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns ``[B, H, D]`` float32.
     """
     mod = kernel()
-    if mod is None or k_cache.dtype not in (torch.bfloat16, torch.float32) or not k_cache.is_contiguous():
+    if mod is None or not readable(k_cache):
         return None
     return mod.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), context_lens, scale)
 
 
 def loaded(cache: torch.Tensor) -> bool:
     """Whether the kernel is already built and can read ``cache`` (never builds it: safe while tracing)."""
-    return _registered and cache.dtype in (torch.bfloat16, torch.float32) and cache.is_contiguous()
+    return _EXTENSION.module is not None and readable(cache)
 
 
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -69,3 +65,7 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+_EXTENSION = CppExtension("mindie_host_decode_attention", "decode_attention.cpp", "decode-attention", fast_math=True,
+                          fakes={"mindie_host_cpu::decode_attention": _decode_attention_shape})

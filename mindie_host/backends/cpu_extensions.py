@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 log = logging.getLogger("mindie_host.backends")
 
@@ -28,14 +31,21 @@ class CppExtension:
 
     ``what`` names the kernel in the warning logged when it cannot be built; ``fast_math`` adds
     ``-ffast-math`` (for kernels that allow the compiler to reorder their float operations).
+    ``fakes`` maps each torch operator the file registers (``"namespace::name"``) to its output-shape
+    function, registered once the module loads, so compiled graphs can trace the operator;
+    ``usable`` says whether a loaded module can run on this CPU (default: yes).
     """
 
-    def __init__(self, name: str, source: str, what: str, fast_math: bool = False) -> None:
+    def __init__(self, name: str, source: str, what: str, fast_math: bool = False,
+                 fakes: dict[str, Callable[..., Any]] | None = None,
+                 usable: Callable[[Any], bool] | None = None) -> None:
         self.name = name
         self.source = Path(__file__).with_name(source)
         self.what = what
         self.fast_math = fast_math
-        #: the loaded module, once :meth:`get` has built it
+        self.fakes = fakes or {}
+        self.usable = usable
+        #: the loaded module, once :meth:`get` has built it and found it usable (read it while tracing: it never builds)
         self.module: Any = None
         self._tried = False
         self._lock = threading.Lock()
@@ -50,8 +60,12 @@ class CppExtension:
                     from torch.utils.cpp_extension import load
 
                     flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if self.fast_math else [])
-                    self.module = load(name=self.name, sources=[str(self.source)], extra_cflags=flags,
-                                       extra_ldflags=["-fopenmp"], verbose=False)
+                    module = load(name=self.name, sources=[str(self.source)], extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+                    if self.usable is None or self.usable(module):
+                        for op, shape in self.fakes.items():
+                            torch.library.register_fake(op)(shape)
+                        self.module = module
                 except Exception as exc:  # no compiler, no headers: torch's operators serve instead
                     log.warning("the CPU %s kernel could not be built (%s); it runs on torch's operators", self.what,
                                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -22,29 +22,27 @@ from .cpu_extensions import CppExtension, enabled
 
 __all__ = ["LowBitTiles", "enabled", "kernel", "loaded"]
 
-_EXTENSION = CppExtension("mindie_host_lowbit_matmul", "lowbit_matmul.cpp", "low-bit matmul")
 TILE = 32  # output columns per tile (lowbit_matmul.cpp's kTile)
-_usable = False
-
-
-def kernel() -> Any:
-    """The built extension module when it can run on this CPU, else None (built once per process)."""
-    global _usable
-    mod = _EXTENSION.get()
-    if mod is not None and not _usable and mod.available():
-        torch.library.register_fake("mindie_host_cpu::lowbit_matmul")(_lowbit_matmul_shape)
-        _usable = True
-    return mod if _usable else None
-
-
-def loaded() -> bool:
-    """Whether :func:`kernel` has built a usable kernel (never builds it: safe while tracing)."""
-    return _usable
 
 
 def _lowbit_matmul_shape(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, n: int,
                          group_size: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+_EXTENSION = CppExtension("mindie_host_lowbit_matmul", "lowbit_matmul.cpp", "low-bit matmul",
+                          fakes={"mindie_host_cpu::lowbit_matmul": _lowbit_matmul_shape},
+                          usable=lambda mod: bool(mod.available()))  # built without AVX512-BF16: torch's kernels
+
+
+def kernel() -> Any:
+    """The built extension module when it can run on this CPU, else None (built once per process)."""
+    return _EXTENSION.get()
+
+
+def loaded() -> bool:
+    """Whether :func:`kernel` has built a usable kernel (never builds it: safe while tracing)."""
+    return _EXTENSION.module is not None
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:

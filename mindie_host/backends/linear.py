@@ -141,7 +141,7 @@ class PackedWeight:
 class LowBitWeight(ABC):
     """A weight with a low-bit copy for products of at most ``max_rows`` rows and a dense one for the rest.
 
-    Subclasses say how the low-bit copy is made and multiplied (:meth:`small_product`).
+    Subclasses say how the low-bit copy is made and multiplied by torch (:meth:`torch_product`).
     Both copies hold the model file's values; the low-bit kernels take bfloat16
     activations and return float32 here.
     """
@@ -164,8 +164,18 @@ class LowBitWeight(ABC):
     def shape(self) -> torch.Size:
         return self._shape
 
-    @abstractmethod
+    #: the same codes in this package's kernel's layout (:mod:`~mindie_host.backends.cpu_matmul`), or None
+    tiles: LowBitTiles | None = None
+
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` from the low-bit copy, for bfloat16 ``x``: the package's kernel once it is built (any row
+        count), torch's kernel otherwise."""
+        if self.tiles is not None and cpu_matmul.loaded():
+            return self.tiles(x)
+        return self.torch_product(x)
+
+    @abstractmethod
+    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -214,9 +224,7 @@ class FourBitWeight(LowBitWeight):
         self.tiles = (LowBitTiles.four_bit(codes, scale, torch.from_numpy(groups.offset), groups.group_size)
                       if cpu_matmul.enabled() else None)
 
-    def small_product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and cpu_matmul.loaded():
-            return self.tiles(x)
+    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
@@ -242,7 +250,5 @@ class Int8Weight(LowBitWeight):
         #: the same codes for this package's own kernel (:mod:`~mindie_host.backends.cpu_matmul`)
         self.tiles = LowBitTiles.per_channel(self.codes, self.scale) if cpu_matmul.enabled() else None
 
-    def small_product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and cpu_matmul.loaded():
-            return self.tiles(x)
+    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
