@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     block_size = 16
     per_seq = -(-(max(contexts_of(2, args.context, args.spread)) + 1) // block_size)
     cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
-                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + max(batches) * per_seq, 65)},
-                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches)},
+                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + max(batches) * per_seq, 65),
+                                     "cpuMemSize": 8},
+                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches), "maxPrefillBatchSize": 0},
                         deploy={"maxSeqLen": max(1024, per_seq * block_size)})
     host = loaded_host(cfg)
     backend = host.backend

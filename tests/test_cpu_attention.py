@@ -1,8 +1,10 @@
-"""The CPU decode-attention kernel (mindie_host/backends/decode_attention.cpp) against torch's attention.
+"""The CPU attention kernels (mindie_host/backends/attention.cpp) against torch's attention.
 
-It serves every single-token query of a batch-invariant CPU step in one call; each sequence's output
-must match torch's scaled-dot-product attention over its own context, and carry the same bits whether
-it is computed alone or beside other sequences.
+Decode attention serves every single-token query of a batch-invariant CPU step in one call; each
+sequence's output must match torch's scaled-dot-product attention over its own context, and carry the
+same bits whether it is computed alone or beside other sequences. Prompt attention serves a sequence's
+prompt tokens (a whole prompt, or a chunk after a cached prefix) causally; it must match torch's
+attention with the causal mask such a chunk needs, and give the same bits on any number of threads.
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
         assert torch.equal(alone[0], batch[b]), b
 
 
-def test_platform_sends_single_token_rows_to_the_kernel_and_the_rest_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_platform_sends_each_kind_of_row_to_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (a 6-token prompt chunk between two decodes) gives what torch's operators give."""
     lens, qlens = [40, 6, 300], [1, 6, 1]
     _, k, v, slots, _ = case(torch.bfloat16, lens, seed=5)
     q = torch.randn(sum(qlens), H, D, generator=torch.Generator().manual_seed(9))
+    calls = []
+    real = cpu_attention.prompt_attention
+    monkeypatch.setattr(cpu_attention, "prompt_attention", lambda *a: calls.append(a[0].shape) or real(*a))
 
     def meta() -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=torch.zeros(sum(qlens), dtype=torch.long), gather_index=slots,
@@ -69,7 +74,55 @@ def test_platform_sends_single_token_rows_to_the_kernel_and_the_rest_to_torch(mo
                                  query_lens=qlens, context_lens=lens)
 
     with_kernel = Platform()._per_sequence_attention(q, k, v, meta(), 0.125)
+    assert calls == [torch.Size([6, H, D])]  # the chunk, and only the chunk, went to the prompt kernel
     monkeypatch.setenv("MINDIE_HOST_CPU_KERNELS", "0")
     without = Platform()._per_sequence_attention(q, k, v, meta(), 0.125)
+    assert len(calls) == 1
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
-    assert torch.equal(with_kernel[1:7], without[1:7])  # the prompt chunk ran on torch's operators both times
+
+
+def prompt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """torch's attention of ``q [n, H, D]``, the newest n of ``len(slots)`` tokens, with the causal mask."""
+    n, ctx = q.shape[0], slots.shape[0]
+    keys = k[slots].float().transpose(0, 1).unsqueeze(0)
+    values = v[slots].float().transpose(0, 1).unsqueeze(0)
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n).view(1, 1, n, ctx)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                         scale=q.shape[-1] ** -0.5, enable_gqa=keys.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "ctx", "heads", "kv", "dim"), [
+    (1, 1, 9, 3, 64),        # a one-token prompt
+    (37, 37, 9, 3, 64),      # a whole prompt, not a multiple of the key or row blocks
+    (512, 1100, 9, 3, 64),   # a 512-token chunk after 588 cached tokens
+    (5, 700, 9, 3, 64),      # a short chunk after a long prefix
+    (100, 133, 8, 2, 128),   # head dim 128
+    (17, 50, 4, 4, 64),      # one query head per KV head
+])
+def test_prompt_kernel_matches_torch_attention(dtype: torch.dtype, n: int, ctx: int, heads: int, kv: int,
+                                               dim: int) -> None:
+    g = torch.Generator().manual_seed(n + ctx)
+    k = torch.randn(4096, kv, dim, generator=g).to(dtype)
+    v = torch.randn(4096, kv, dim, generator=g).to(dtype)
+    slots = torch.randperm(4096, generator=g)[:ctx]
+    q = torch.randn(n, heads, dim, generator=g)
+    got = cpu_attention.prompt_attention(q, k, v, slots, dim ** -0.5)
+    assert got is not None
+    torch.testing.assert_close(got, prompt_reference(q, k, v, slots), rtol=1e-5, atol=2e-6)
+
+
+def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads() -> None:
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2048, KV, D, generator=g).bfloat16(), torch.randn(2048, KV, D, generator=g).bfloat16()
+    slots, q = torch.randperm(2048, generator=g)[:900], torch.randn(300, H, D, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu_attention.prompt_attention(q, k, v, slots, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (``decode_attention.cpp``), built on first use.
+"""The CPU attention kernels (``attention.cpp``), built on first use: decode and prompt attention.
 
 Batch-invariant decoding runs attention one sequence at a time (bench/PERF.md, "Batch
 invariance"). Through torch's operators that costs a gather, a dtype conversion and a
@@ -10,6 +10,12 @@ output for a sequence is the same whatever shares the step.
 It is built on first use (about 25 s, then cached: :mod:`~mindie_host.backends.cpu_extensions`);
 without a compiler, or with ``MINDIE_HOST_CPU_KERNELS=0``, decode attention stays on torch's
 operators (logged once).
+
+Prompt tokens (a whole prompt, or a chunk of one beside decodes) go through
+:func:`prompt_attention`: flash-style over the paged cache in place, scoring only the keys each row
+can see. torch's CPU scaled-dot-product kernel with the causal mask such a chunk needs (its rows sit
+after a cached prefix) scores every key of the context and runs at about a sixth of the cores' float32
+rate; it took about half of a 512-token chunk's step (bench/PERF.md, "Prompt attention").
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch
 
 from .cpu_extensions import CppExtension, enabled
 
-__all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded", "readable"]
+__all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded", "prompt_attention",
+           "readable"]
 
 
 
@@ -48,6 +55,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return mod.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), context_lens, scale)
 
 
+def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+    """Causal attention of one sequence's ``n`` newest tokens over its ``ctx`` cached tokens, or None when the
+    kernel is unavailable (no compiler, no AVX-512, a head dim other than 64 or 128).
+
+    ``q``: ``[n, H, D]`` (row ``r`` is the token at position ``ctx - n + r`` and sees keys ``0 .. ctx - n + r``);
+    caches ``[slots, KV, D]`` (bfloat16 or float32, contiguous), already holding the new tokens' K and V;
+    ``slots``: ``[ctx]`` int64 cache slots of the context in order. Returns ``[n, H, D]`` float32.
+    """
+    mod = kernel()
+    if mod is None or not readable(k_cache) or not mod.prompt_attention_supported(q.shape[-1]):
+        return None
+    return mod.prompt_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), scale)
+
+
 def loaded(cache: torch.Tensor) -> bool:
     """Whether the kernel is already built and can read ``cache`` (never builds it: safe while tracing)."""
     return _EXTENSION.module is not None and readable(cache)
@@ -67,5 +89,5 @@ def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
-_EXTENSION = CppExtension("mindie_host_decode_attention", "decode_attention.cpp", "decode-attention", fast_math=True,
+_EXTENSION = CppExtension("mindie_host_cpu_attention", "attention.cpp", "attention", fast_math=True,
                           fakes={"mindie_host_cpu::decode_attention": _decode_attention_shape})

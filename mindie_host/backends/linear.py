@@ -85,6 +85,9 @@ class PromptRows:
         #: the indices of prompt rows and of generated rows (None when ``all``)
         self.prompt = None if self.all else mask.nonzero().squeeze(1)
         self.generated = None if self.all else (~mask).nonzero().squeeze(1)
+        #: the same as slices where the rows are one run (a prompt chunk beside decodes): views, not copies
+        self.prompt_rows = _as_slice(self.prompt)
+        self.generated_rows = _as_slice(self.generated)
 
     @staticmethod
     def of(positions: torch.Tensor, query_lens: list[int], prompt_lens: list[int]) -> PromptRows | None:
@@ -94,6 +97,14 @@ class PromptRows:
         limit = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(query_lens)).to(positions.device)
         mask = positions < limit
         return PromptRows(mask) if bool(mask.any()) else None
+
+
+def _as_slice(index: torch.Tensor | None) -> torch.Tensor | slice | None:
+    """``index`` (ascending row indices) as a slice when its rows are consecutive, else unchanged."""
+    if index is None or not len(index):
+        return index
+    first, last = int(index[0]), int(index[-1])
+    return slice(first, last + 1) if last - first + 1 == len(index) else index
 
 
 def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -198,10 +209,10 @@ class LowBitWeight(ABC):
         assert self.prompt_weight is not None
         if rows.all:
             return F.linear(x.to(torch.bfloat16), self.prompt_weight).to(x.dtype)
-        assert rows.prompt is not None and rows.generated is not None
+        assert rows.prompt_rows is not None and rows.generated_rows is not None
         out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
-        out[rows.prompt] = F.linear(x[rows.prompt].to(torch.bfloat16), self.prompt_weight).to(x.dtype)
-        out[rows.generated] = self.small_product(x[rows.generated].to(torch.bfloat16)).to(x.dtype)
+        out[rows.prompt_rows] = F.linear(x[rows.prompt_rows].to(torch.bfloat16), self.prompt_weight)
+        out[rows.generated_rows] = self.small_product(x[rows.generated_rows].to(torch.bfloat16))
         return out
 
 

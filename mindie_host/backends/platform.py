@@ -198,7 +198,7 @@ class Platform:
                 context_lens = meta.attn_mask.reshape(meta.num_seqs, -1).sum(1)
                 out = cpu_attention.decode_attention_op(q, k_cache, v_cache, meta.gather_index, context_lens, scale)
                 return out.to(q.dtype)
-        if meta.pad_index is not None and meta.num_seqs * meta.max_query_len > 2 * q.shape[0]:
+        if meta.pad_index is not None and ragged(meta.num_seqs, meta.max_query_len, q.shape[0]):
             return self._ragged_attention(q, k_cache, v_cache, meta, scale)
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         heads, dim = q.shape[1], q.shape[2]
@@ -230,7 +230,6 @@ class Platform:
         the same shapes as when it is the only one served (bench/PERF.md, "Batch invariance").
         """
         heads, dim = q.shape[1], q.shape[2]
-        dt = self.attention_dtype(k_cache.dtype)
         out = torch.empty_like(q)
         single = self._single_token_rows(q, k_cache, meta)
         if single is not None:  # one query token each: all of them in one kernel call (cpu_attention)
@@ -248,20 +247,36 @@ class Platform:
             if n == 1 and single is not None:  # done above
                 start += n
                 continue
-            slots = meta.gather_index[i, :ctx]
-            mask = None
-            if n > 1:  # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
-                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n).view(1, 1, n, ctx)
-            o = self.attention(
-                q[start : start + n].transpose(0, 1).unsqueeze(0).to(dt),  # [1, H, n, D]
-                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),  # [1, KV, ctx, D]
-                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),
-                mask,
-                scale,
-            )
-            out[start : start + n] = o[0].transpose(0, 1).to(q.dtype)
+            out[start : start + n] = self._one_sequence(q[start : start + n], k_cache, v_cache,
+                                                        meta.gather_index[i, :ctx], scale)
             start += n
         return out.reshape(q.shape[0], heads, dim)
+
+    def _one_sequence(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of one sequence's ``n`` newest tokens ``q [n, H, D]`` over its context (cache ``slots``, in
+        order): row ``r`` sits at position ``ctx - n + r`` and sees keys ``0 .. ctx - n + r``. On a CPU with the
+        attention kernels, prompt rows go through :func:`cpu_attention.prompt_attention` (in place over the cache,
+        only the visible keys); otherwise torch's attention over the gathered context with a causal mask."""
+        n, ctx = q.shape[0], slots.shape[0]
+        if n > 1 and self.device_type == "cpu" and type(k_cache) is torch.Tensor and k_cache.dim() == 3 \
+                and q.dtype == torch.float32 and cpu_attention.enabled():
+            got = cpu_attention.prompt_attention(q, k_cache, v_cache, slots, scale)
+            if got is not None:
+                return got
+        dt = self.attention_dtype(k_cache.dtype)
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n).view(1, 1, n, ctx)
+        o = self.attention(
+            q.transpose(0, 1).unsqueeze(0).to(dt),  # [1, H, n, D]
+            gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),  # [1, KV, ctx, D]
+            gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),
+            mask,
+            scale,
+        )
+        return o[0].transpose(0, 1).to(q.dtype)
 
     @staticmethod
     def _single_token_rows(
@@ -321,19 +336,16 @@ class Platform:
             if n == 1:
                 continue
             ctx = meta.context_lens[i]
-            slots = meta.gather_index[i, :ctx]
-            qi = q[starts[i] : starts[i] + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            # query row r sits at position ctx - n + r and sees keys 0 .. ctx - n + r
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-            o = self.attention(
-                qi.to(dt),
-                gather_slots(k_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),  # [1, KV, ctx, D]
-                gather_slots(v_cache, slots).transpose(0, 1).unsqueeze(0).to(dt),
-                mask.view(1, 1, n, ctx),
-                scale,
-            )
-            out[starts[i] : starts[i] + n] = o[0].transpose(0, 1).to(q.dtype)
+            out[starts[i] : starts[i] + n] = self._one_sequence(q[starts[i] : starts[i] + n], k_cache, v_cache,
+                                                                meta.gather_index[i, :ctx], scale)
         return out.reshape(q.shape[0], heads, dim)
+
+def ragged(num_seqs: int, max_query_len: int, tokens: int) -> bool:
+    """Whether a step of sequences with different query lengths runs its attention sequence by sequence
+    (:meth:`Platform.paged_attention`): when padding every query to the longest would more than double the
+    rows (a prompt chunk beside decodes). Such a step needs no padded ``attn_mask``."""
+    return num_seqs * max_query_len > 2 * tokens
+
 
 def gather_slots(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``cache[index]`` for a slot-major cache, via ``index_select`` (about 3x faster on CPU than

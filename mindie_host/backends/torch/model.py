@@ -22,7 +22,7 @@ from ...models.weights import FourBitGroups, LlamaArch
 from ..base import LinearDeltas, ModelInput
 from ..int8 import Int8Matrix
 from ..linear import PromptRows
-from ..platform import AttentionMetadata, Platform
+from ..platform import AttentionMetadata, Platform, ragged
 from .graphs import DecodeGraphs
 
 
@@ -217,22 +217,24 @@ class TorchLlama:
             pad_index = None
         else:
             qi = torch.arange(max_q)
-            # absolute position of query row r of sequence i: ctx_i - q_i + r
-            qpos = (ctx_lens - q_lens).unsqueeze(1) + qi.unsqueeze(0)  # [B, max_q]
-            mask = offsets.view(1, 1, max_ctx) <= qpos.unsqueeze(2)
-            valid_row = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
-            mask = mask & valid_row.unsqueeze(2)
-            mask[..., 0] |= ~valid_row  # padded rows attend to slot 0 so softmax stays finite
-            mask = mask.unsqueeze(1)
             pad_index = (torch.arange(num_seqs).repeat_interleave(q_lens) * max_q) + torch.cat(
                 [torch.arange(int(q)) for q in batch.query_lens]
             )
             if bool((q_lens == max_q).all()):
                 pad_index = None
+            mask = None  # ragged (a chunk beside decodes): attention runs per sequence and builds its own
+            if pad_index is None or not ragged(num_seqs, max_q, len(batch.input_ids)):
+                # absolute position of query row r of sequence i: ctx_i - q_i + r
+                qpos = (ctx_lens - q_lens).unsqueeze(1) + qi.unsqueeze(0)  # [B, max_q]
+                mask = offsets.view(1, 1, max_ctx) <= qpos.unsqueeze(2)
+                valid_row = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+                mask = mask & valid_row.unsqueeze(2)
+                mask[..., 0] |= ~valid_row  # padded rows attend to slot 0 so softmax stays finite
+                mask = mask.unsqueeze(1)
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
             gather_index=gather.to(device),
-            attn_mask=mask.to(device),
+            attn_mask=None if mask is None else mask.to(device),
             pad_index=None if pad_index is None else pad_index.to(device),
             num_seqs=num_seqs,
             max_query_len=max_q,

@@ -1,0 +1,542 @@
+// Attention on CPU over a slot-major paged KV cache ([slots, KV heads, D], bfloat16 or float32), read in place.
+//
+// decode_attention: one query token per sequence. Each (sequence, KV head) is one task (each query head, for one
+// or two sequences), computed start to end by one thread in a fixed order (scores over the context, softmax,
+// weighted sum of values), so a sequence's output does not depend on what else is in the batch: the
+// batch-invariant decode path of mindie_host/backends/platform.py calls it for every generated token.
+//
+// prompt_attention: the n prompt tokens of one sequence (a whole prompt or a chunk of one) over its context,
+// causally. Flash-style: a task is (KV head, block of query rows) and walks the visible keys in blocks of 32
+// with a running maximum and sum, so only the keys a row can see are scored; the order of every reduction is
+// fixed by the shapes alone, so the result is the same whichever thread runs a task.
+//
+// Both compute in float32. Built on first use by mindie_host/backends/cpu_attention.py (torch.utils.cpp_extension).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 va = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their maximum): 2^n * p(r) with a degree-6 polynomial, ~1e-7 relative error
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 K/V values (dims c*16 .. c*16+15 of a row) as float32
+inline __m512 load16(const float* row, int c) { return _mm512_loadu_ps(row + c * 16); }
+inline __m512 load16(const at::BFloat16* row, int c) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Ask for the cache lines of heads h0 .. h1 of the slots of tokens t0 .. t1 (the next chunk's rows: a paged
+// cache's blocks sit anywhere, which the hardware prefetcher cannot follow).
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* idx, int64_t t0, int64_t t1, int64_t KV, int64_t h0,
+                          int64_t h1, int64_t head_bytes) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* row = reinterpret_cast<const char*>(cache + idx[t] * KV * (head_bytes / sizeof(T)));
+    for (int64_t off = h0 * head_bytes; off < h1 * head_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+  }
+}
+
+// Scores of NG query heads of KV head h (their queries D apart at q, scores ``padded`` apart at sg) over tokens
+// t0 .. t1: each K row is read and converted once for all of them.
+template <typename T, int ND, int NG>
+inline void score_heads(const float* q, float scale, const T* k, const int64_t* idx, int64_t t0, int64_t t1,
+                        int64_t KV, int64_t h, float* sg, int64_t padded) {
+  constexpr int64_t D = 16 * ND;
+  __m512 qv[NG][ND];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), _mm512_set1_ps(scale));
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* kr = k + (idx[t] * KV + h) * D;
+    __m512 kv[ND];
+    for (int c = 0; c < ND; ++c) kv[c] = load16(kr, c);
+    for (int g = 0; g < NG; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < ND; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+      sg[g * padded + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+}
+
+// Adds tokens t0 .. t1's V rows of KV head h, weighted by each of NG heads' softmax numerators (``padded``
+// apart at sg), to their accumulators (D apart at acc): each V row is read and converted once for all of them.
+template <typename T, int ND, int NG>
+inline void value_heads(const float* sg, int64_t padded, const T* v, const int64_t* idx, int64_t t0, int64_t t1,
+                        int64_t KV, int64_t h, float* acc) {
+  constexpr int64_t D = 16 * ND;
+  __m512 o[NG][ND];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < ND; ++c) o[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vr = v + (idx[t] * KV + h) * D;
+    __m512 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load16(vr, c);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 w = _mm512_set1_ps(sg[g * padded + t]);
+      for (int c = 0; c < ND; ++c) o[g][c] = _mm512_fmadd_ps(w, vv[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + g * D + c * 16, o[g][c]);
+}
+
+// One task with head dim 16 * ND: query heads g0 .. g0 + GN of KV heads h0 .. h1 of one sequence (q and out point
+// at the sequence's first head). Tokens are walked in chunks of 32, every head of the task over a chunk before the
+// next, so a cache slot's heads are read together; each head's query and accumulators stay in registers within a
+// chunk, and its arithmetic (the order of every sum) is the same whatever heads share the task.
+template <typename T, int ND>
+void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_t ctx, int64_t KV, int64_t G,
+              int64_t h0, int64_t h1, int64_t g0, int64_t GN, float scale, float* scores, float* acc, float* out) {
+  constexpr int64_t D = 16 * ND, CH = 32;
+  const int64_t padded = (ctx + 15) / 16 * 16, heads = (h1 - h0) * GN;
+  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
+    const int64_t t1 = std::min(ctx, t0 + CH);
+    prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t gs = 0; gs < GN; gs += 4) {
+        const float* qh = q + (h * G + g0 + gs) * D;
+        float* sg = scores + ((h - h0) * GN + gs) * padded;
+        switch (std::min<int64_t>(4, GN - gs)) {
+          case 4: score_heads<T, ND, 4>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
+          case 3: score_heads<T, ND, 3>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
+          case 2: score_heads<T, ND, 2>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
+          default: score_heads<T, ND, 1>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
+        }
+      }
+  }
+  std::vector<float> inv(heads);
+  for (int64_t j = 0; j < heads; ++j) {
+    float* sg = scores + j * padded;
+    for (int64_t t = ctx; t < padded; ++t) sg[t] = -FLT_MAX;
+    __m512 mx = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+      _mm512_storeu_ps(sg + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv[j] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  std::memset(acc, 0, heads * D * sizeof(float));
+  prefetch_rows(v, idx, 0, std::min(ctx, CH), KV, h0, h1, D * sizeof(T));
+  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
+    const int64_t t1 = std::min(ctx, t0 + CH);
+    prefetch_rows(v, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t gs = 0; gs < GN; gs += 4) {
+        const int64_t j = (h - h0) * GN + gs;
+        switch (std::min<int64_t>(4, GN - gs)) {
+          case 4: value_heads<T, ND, 4>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+          case 3: value_heads<T, ND, 3>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+          case 2: value_heads<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+          default: value_heads<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+        }
+      }
+  }
+  for (int64_t j = 0; j < heads; ++j) {
+    const int64_t h = h0 + j / GN, g = g0 + j % GN;
+    for (int c = 0; c < ND; ++c)
+      _mm512_storeu_ps(out + (h * G + g) * D + c * 16,
+                       _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + c * 16), _mm512_set1_ps(inv[j])));
+  }
+}
+#endif
+
+template <typename T>
+void run(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* ctx_lens, float* out,
+         int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx, float scale) {
+  const int64_t G = H / KV, threads = at::get_num_threads();
+  // A task is a whole sequence (all its heads: each cache slot read once, in order) when there are at least two
+  // sequences a thread; else a (sequence, KV head), whose G query heads share each K and V row; else (one or two
+  // sequences) each query head on its own. Every head's arithmetic is the same code in the same order in all
+  // three, so the output bits do not depend on the split.
+#if defined(__AVX512F__)
+  const bool vector = D == 64 || D == 128;
+#else
+  const bool vector = false;
+#endif
+  const int64_t HN = vector && B >= 2 * threads ? KV : 1;        // KV heads a task (the portable path takes one)
+  const int64_t GN = HN > 1 || B * KV >= 2 * threads ? G : 1;    // query heads of each
+  const int64_t per_seq = (KV / HN) * (G / GN);
+  // Contexts differ: threads take tasks as they get free, the longest contexts first (an even split of the
+  // task range left one thread with most of the keys when contexts rose along the batch).
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a] > ctx_lens[b]; });
+  const int64_t tasks = B * per_seq;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> row(D), scores, acc(HN * GN * D), total(GN);
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t b = order[task / per_seq], part = task % per_seq;
+      const int64_t h0 = (part / (G / GN)) * HN, g0 = (part % (G / GN)) * GN;
+      const int64_t ctx = ctx_lens[b];
+      const int64_t* idx = slots + b * max_ctx;
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {
+        scores.resize(HN * GN * ((ctx + 15) / 16 * 16));
+        if (D == 64)
+          task_vec<T, 4>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale, scores.data(), acc.data(),
+                         out + b * H * D);
+        else
+          task_vec<T, 8>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale, scores.data(), acc.data(),
+                         out + b * H * D);
+        continue;
+      }
+#endif
+      const int64_t h = h0;  // the portable path: one KV head a task
+      const float* qb = q + (b * H + h * G + g0) * D;
+      scores.assign(GN * ctx, 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* kr = k + (idx[t] * KV + h) * D;
+        load_row(kr, row.data(), D);
+        for (int64_t g = 0; g < GN; ++g) scores[g * ctx + t] = dot(qb + g * D, row.data(), D) * scale;
+      }
+      for (int64_t g = 0; g < GN; ++g) {
+        float* sg = scores.data() + g * ctx;
+        float m = -FLT_MAX;
+        for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* vr = v + (idx[t] * KV + h) * D;
+        load_row(vr, row.data(), D);
+        for (int64_t g = 0; g < GN; ++g) {
+          axpy(scores[g * ctx + t], row.data(), acc.data() + g * D, D);
+        }
+      }
+      for (int64_t g = 0; g < GN; ++g) {
+        float* o = out + (b * H + h * G + g0 + g) * D;
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+
+#if defined(__AVX512F__)
+constexpr int64_t KB = 32;  // keys per block of prompt attention
+
+// Convert up to KB keys' K rows (transposed: kt[d * KB + j]) and V rows (vb[j * D + d]) of KV head h to float32;
+// keys past ``count`` are zero.
+template <typename T, int ND>
+void load_block(const T* k, const T* v, const int64_t* idx, int64_t count, int64_t KV, int64_t h, float* kt,
+                float* vb) {
+  constexpr int64_t D = 16 * ND;
+  for (int64_t j = 0; j < KB; ++j) {
+    if (j < count) {
+      const T* kr = k + (idx[j] * KV + h) * D;
+      const T* vr = v + (idx[j] * KV + h) * D;
+      for (int c = 0; c < ND; ++c) {
+        _mm512_storeu_ps(vb + j * D + c * 16, load16(vr, c));
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, load16(kr, c));
+        for (int e = 0; e < 16; ++e) kt[(c * 16 + e) * KB + j] = tmp[e];
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = 0.f;
+      std::memset(vb + j * D, 0, D * sizeof(float));
+    }
+  }
+}
+
+// Scores of NQ query vectors (rows of qs, already scaled) against the KB keys of kt: s[i * KB + j].
+template <int NQ, int ND>
+inline void score_tile(const float* qs, const float* kt, float* s) {
+  constexpr int64_t D = 16 * ND;
+  __m512 acc[NQ][2];
+  for (int i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * KB), k1 = _mm512_loadu_ps(kt + d * KB + 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 qd = _mm512_set1_ps(qs[i * D + d]);
+      acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    _mm512_storeu_ps(s + i * KB, acc[i][0]);
+    _mm512_storeu_ps(s + i * KB + 16, acc[i][1]);
+  }
+}
+
+// o[i] += sum_j p[i * KB + j] * vb[j] for NQ query vectors, over the first ``count`` keys.
+template <int NQ, int ND>
+inline void value_tile(const float* p, const float* vb, int64_t count, float* o) {
+  constexpr int64_t D = 16 * ND;
+  __m512 acc[NQ][ND];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_loadu_ps(o + i * D + c * 16);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 vj[ND];
+    for (int c = 0; c < ND; ++c) vj[c] = _mm512_loadu_ps(vb + j * D + c * 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i * KB + j]);
+      for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_fmadd_ps(w, vj[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
+}
+
+constexpr int SCORE_TILE = 6;
+
+template <int ND>
+void scores_of(const float* qs, const float* kt, float* s, int64_t nv) {
+  constexpr int64_t D = 16 * ND;
+  int64_t i = 0;
+  for (; i + SCORE_TILE <= nv; i += SCORE_TILE) score_tile<SCORE_TILE, ND>(qs + i * D, kt, s + i * KB);
+  switch (nv - i) {
+    case 5: score_tile<5, ND>(qs + i * D, kt, s + i * KB); break;
+    case 4: score_tile<4, ND>(qs + i * D, kt, s + i * KB); break;
+    case 3: score_tile<3, ND>(qs + i * D, kt, s + i * KB); break;
+    case 2: score_tile<2, ND>(qs + i * D, kt, s + i * KB); break;
+    case 1: score_tile<1, ND>(qs + i * D, kt, s + i * KB); break;
+    default: break;
+  }
+}
+
+template <int ND>
+void values_of(const float* p, const float* vb, int64_t count, float* o, int64_t nv) {
+  constexpr int64_t D = 16 * ND;
+  constexpr int NQ = 16 / ND;  // 4 query vectors at D = 64, 2 at D = 128: 16 accumulators
+  int64_t i = 0;
+  for (; i + NQ <= nv; i += NQ) value_tile<NQ, ND>(p + i * KB, vb, count, o + i * D);
+  for (; i < nv; ++i) value_tile<1, ND>(p + i * KB, vb, count, o + i * D);
+}
+
+// One task: query rows r0 .. r1 - 1 (positions ctx - n + r) of KV head h, with its G query heads each.
+template <typename T, int ND>
+void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t ctx, int64_t H,
+                 int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out, std::vector<float>& buf) {
+  constexpr int64_t D = 16 * ND;
+  const int64_t G = H / KV, nv = (r1 - r0) * G;
+  buf.resize(nv * D * 2 + nv * KB + nv * 2 + D * KB * 2);
+  float* qs = buf.data();
+  float* o = qs + nv * D;
+  float* s = o + nv * D;
+  float* m = s + nv * KB;
+  float* l = m + nv;
+  float* kt = l + nv;
+  float* vb = kt + D * KB;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (r - r0) * G + g;
+      for (int c = 0; c < ND; ++c)
+        _mm512_storeu_ps(qs + i * D + c * 16,
+                         _mm512_mul_ps(_mm512_loadu_ps(q + (r * H + h * G + g) * D + c * 16), vscale));
+      m[i] = -FLT_MAX;
+      l[i] = 0.f;
+    }
+  std::memset(o, 0, nv * D * sizeof(float));
+  const int64_t first = ctx - n;             // position of query row 0
+  const int64_t last_key = first + r1 - 1;   // the last row's position: no row of the task sees past it
+  for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {
+    const int64_t count = std::min(KB, last_key + 1 - k0);
+    load_block<T, ND>(k, v, slots + k0, count, KV, h, kt, vb);
+    scores_of<ND>(qs, kt, s, nv);
+    int64_t widest = 0;
+    for (int64_t i = 0; i < nv; ++i) {
+      const int64_t seen = std::min(count, first + r0 + i / G + 1 - k0);  // keys of this block the row sees
+      float* si = s + i * KB;
+      if (seen <= 0) {
+        std::memset(si, 0, KB * sizeof(float));
+        continue;
+      }
+      widest = std::max(widest, seen);
+      const __mmask16 m0 = seen >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << seen) - 1);
+      const __mmask16 m1 = seen >= 32 ? 0xFFFF : seen <= 16 ? 0 : static_cast<__mmask16>((1u << (seen - 16)) - 1);
+      const __m512 neg = _mm512_set1_ps(-FLT_MAX);
+      const __m512 a = _mm512_mask_loadu_ps(neg, m0, si), b = _mm512_mask_loadu_ps(neg, m1, si + 16);
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+      const __m512 vm = _mm512_set1_ps(mnew);
+      const __m512 ea = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(a, vm)));
+      const __m512 eb = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(b, vm)));
+      _mm512_storeu_ps(si, ea);
+      _mm512_storeu_ps(si + 16, eb);
+      const float alpha = std::exp(m[i] - mnew);
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(ea, eb));
+      if (alpha != 1.f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int c = 0; c < ND; ++c)
+          _mm512_storeu_ps(o + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), va));
+      }
+      m[i] = mnew;
+    }
+    values_of<ND>(s, vb, widest, o, nv);
+  }
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (r - r0) * G + g;
+      const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+      for (int c = 0; c < ND; ++c)
+        _mm512_storeu_ps(out + (r * H + h * G + g) * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), inv));
+    }
+}
+
+constexpr int64_t QB = 16;  // query rows per prompt-attention task
+
+template <typename T>
+void prompt_run(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t ctx, float* out,
+                int64_t H, int64_t KV, int64_t D, float scale) {
+  const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * KV;
+  // Later row blocks see more keys: hand tasks out costliest first, to whichever thread is free. Which thread
+  // runs a task does not change its arithmetic.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t t = next++; t < tasks; t = next++) {
+      const int64_t b = blocks - 1 - t / KV, h = t % KV;
+      const int64_t r0 = b * QB, r1 = std::min(n, r0 + QB);
+      if (D == 64)
+        prompt_task<T, 4>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+      else
+        prompt_task<T, 8>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slots, torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [B, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [S, KV, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.size(0) == q.size(0), "slots");
+  TORCH_CHECK(ctx_lens.scalar_type() == torch::kInt64 && ctx_lens.is_contiguous(), "ctx_lens");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && H % KV == 0, "head shapes");
+  auto out = torch::empty_like(q);
+  if (k_cache.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                      slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KV, D,
+                      slots.size(1), static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "caches: float32 or bfloat16");
+    run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
+               ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KV, D, slots.size(1),
+               static_cast<float>(scale));
+  }
+  return out;
+}
+
+bool prompt_attention_supported(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 64 || head_dim == 128;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [n, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [S, KV, D]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots: [ctx] int64");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1), ctx = slots.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && H % KV == 0 && n <= ctx, "head shapes");
+  TORCH_CHECK(prompt_attention_supported(D), "prompt_attention: head dim 64 or 128 on AVX-512");
+  auto out = torch::empty_like(q);
+#if defined(__AVX512F__)
+  if (k_cache.scalar_type() == torch::kBFloat16) {
+    prompt_run<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                             slots.data_ptr<int64_t>(), n, ctx, out.data_ptr<float>(), H, KV, D,
+                             static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "caches: float32 or bfloat16");
+    prompt_run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                      slots.data_ptr<int64_t>(), n, ctx, out.data_ptr<float>(), H, KV, D, static_cast<float>(scale));
+  }
+#endif
+  return out;
+}
+
+// As a torch operator too, for compiled graphs to call without going through Python.
+TORCH_LIBRARY_FRAGMENT(mindie_host_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_lens, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mindie_host_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention);
+  m.def("prompt_attention", &prompt_attention);
+  m.def("prompt_attention_supported", &prompt_attention_supported);
+}
