@@ -18,6 +18,12 @@ Two workloads, each at every concurrency (``--workload``, default both): ``fixed
 with a long tail, 128 output tokens (``--varied-max-tokens``). Results of the varied
 load are keyed ``<system>/varied``.
 
+``--runs N`` measures each system, concurrency and load N times back to back (the varied load
+draws new prompts each time, seeds 0 .. N-1, the same for every system); the table gives the
+median run with the range over the runs, and each ratio with the range of the run-by-run ratios.
+Each row also gives the server's peak RSS so far: the ``VmHWM`` of its process and its children
+(mindie-host's engine process) summed.
+
 llama-server is started once per concurrency with ``-np`` equal to it (and
 ``--llama-ctx-per-slot`` tokens of context per slot), so that every request in flight
 has a slot, as mindie-host's continuous batching gives every request one.
@@ -288,11 +294,14 @@ def release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_load(url: str, model: str, conc: int, n: int, max_tokens: int, workload: str = "fixed") -> dict[str, float]:
-    """One closed-loop run: ``loadgen.py`` (``fixed``) or ``bench/varied_load.py`` (``varied``)."""
+def run_load(url: str, model: str, conc: int, n: int, max_tokens: int, workload: str = "fixed",
+             seed: int = 0) -> dict[str, float]:
+    """One closed-loop run: ``loadgen.py`` (``fixed``) or ``bench/varied_load.py`` (``varied``, its prompts drawn
+    with ``seed``)."""
     script = LOADGEN if workload == "fixed" else ROOT / "bench" / "varied_load.py"
+    extra = ["--seed", str(seed)] if workload == "varied" else []
     out = subprocess.run([sys.executable, str(script), "--url", url, "--model", model, "-n", str(n), "-c", str(conc),
-                          "--max-tokens", str(max_tokens)], capture_output=True, text=True, timeout=3600)
+                          "--max-tokens", str(max_tokens), *extra], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -313,6 +322,9 @@ def main() -> int:
     ap.add_argument("--model", help="HF model directory every system serves (default: the default model)")
     ap.add_argument("--logs", help="directory for the servers' stderr logs")
     ap.add_argument("--start-timeout", type=float, help="seconds a server may take to get ready (default 600)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="measure each system, concurrency and load this many times back to back (the varied load "
+                         "with new prompts each time: seeds 0, 1, ...); the table gives the median run and the range")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
     args = ap.parse_args()
     if not LOADGEN.exists():
@@ -349,7 +361,10 @@ def main() -> int:
                     for workload in workloads:
                         key = name if workload == "fixed" else f"{name}/{workload}"
                         tokens = args.max_tokens if workload == "fixed" else args.varied_max_tokens
-                        r = run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), tokens, workload)
+                        runs = [run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), tokens, workload, seed=i)
+                                for i in range(args.runs)]
+                        r = median_run(runs)
+                        r["peak_rss_mb"] = peak_rss_mb(proc.pid)
                         results.setdefault(key, {})[c] = r
                         print(key, c, r, file=sys.stderr, flush=True)
                         save(args, results)
@@ -362,6 +377,39 @@ def main() -> int:
     save(args, results)
     print(table(results, concs))
     return 0
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tok/s (the lower middle one of an even count), with every run's tok/s,
+    TTFT p50 and TPOT p50 under ``runs`` when there were several (the varied load draws new prompts each run)."""
+    ordered = sorted(runs, key=lambda r: r["out_tok_s"])
+    r = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        r["runs"] = [{k: run.get(k) for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "errors")}
+                     for run in runs]
+    return r
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """Peak resident memory of a server: the ``VmHWM`` of its process and every descendant still running
+    (a mindie-host server and its engine process), summed, in MB; None where ``/proc`` does not tell."""
+    total, stack, seen = 0, [pid], set()
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                stack += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return round(total / 1024, 1) if total else None
 
 
 def save(args: argparse.Namespace, results: dict[str, dict[int, dict[str, float]]]) -> None:
@@ -379,8 +427,8 @@ def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> 
     against = {"llama": "llama-server", "transformers": "transformers serve", "hf-generate": "HF generate"}.get(
         ref_name or "", "-")
     lines = [f"| system | conc | out tok/s | ratio vs {against} | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-             "| errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| errors | peak RSS MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, by_c in results.items():
         system, _, workload = name.partition("/")
         ref = results.get(f"{ref_name}/{workload}" if workload else ref_name or "")
@@ -390,8 +438,16 @@ def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> 
             if r is None:
                 continue
             ratio = f"{r['out_tok_s'] / ref[c]['out_tok_s']:.2f}x" if ref and c in ref and ref[c]["out_tok_s"] else "-"
-            lines.append(f"| {label} | {c} | {r['out_tok_s']} | {ratio} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-                         f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['errors']} |")
+            rate = f"{r['out_tok_s']}"
+            if r.get("runs"):  # the median run, and the range over all of them
+                rates = [run["out_tok_s"] for run in r["runs"]]
+                rate += f" ({min(rates)}-{max(rates)})"
+                if ref and c in ref and ref[c].get("runs"):  # ratio of each run to the reference's run of that index
+                    each = [a["out_tok_s"] / b["out_tok_s"] for a, b in zip(r["runs"], ref[c]["runs"]) if b["out_tok_s"]]
+                    if each and ratio != "-":
+                        ratio += f" ({min(each):.2f}-{max(each):.2f})"
+            lines.append(f"| {label} | {c} | {rate} | {ratio} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+                         f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['errors']} | {r.get('peak_rss_mb', '-')} |")
     return "\n".join(lines)
 
 

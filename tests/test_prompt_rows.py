@@ -100,11 +100,12 @@ def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> No
     bf16 = prefill(auto, [0, 2, 3])
     low_bit = prefill(auto, [0, 2, 3], with_prompt_lens=False)  # no prompt rows known: the low-bit kernel
     assert not torch.equal(bf16, low_bit)
-    assert torch.equal(bf16.argmax(-1), want.argmax(-1))
-    # prompt 2's best tokens are 0.15 apart in fp32 and the 4-bit weights may swap them: the token the low-bit
-    # path picks must be one the reference scores within 0.25 of its best
-    picked = want.gather(-1, low_bit.argmax(-1, keepdim=True)).squeeze(-1)
-    assert bool((want.max(-1).values - picked < 0.25).all())
+    # prompt 2's best tokens are 0.15 apart in fp32 and bf16 products or the 4-bit weights may swap them: the token
+    # each path picks must be one the reference scores within 0.25 of its best (the others' picks are the same)
+    for got in (bf16, low_bit):
+        picked = want.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        assert bool((want.max(-1).values - picked < 0.25).all())
+    assert torch.equal(bf16.argmax(-1)[[0, 2]], want.argmax(-1)[[0, 2]])
     for got in (bf16, low_bit):
         probs, ref = torch.softmax(got, -1), torch.softmax(want, -1)
         assert (probs - ref).abs().sum(-1).max() < 0.25  # total variation, both within the 4-bit file's error

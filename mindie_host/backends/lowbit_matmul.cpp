@@ -30,6 +30,12 @@ constexpr int64_t kTile = 32;  // output columns per tile: two 16-lane vectors
 
 #if defined(MINDIE_LOWBIT_KERNEL)
 
+// Ask for the cache lines of ``bytes`` bytes at p.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
 // Unpack one tile's 4-bit codes ([P][32] bytes: low nibble k = 2p, high nibble k = 2p + 1) into bf16 pairs
 // of 128 + code: 0x4300 | code is exactly that number in bfloat16, so the unpacking is integer bit
 // operations only. The 128 * sum(x) this adds to each group's dot product is taken back through the
@@ -154,6 +160,12 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
     std::vector<uint32_t> buf(TN * P * kTile);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
+      if (chunk + 1 < end) {  // the next chunk's codes, scales and offsets: from memory while this one computes
+        const int64_t t1 = t0 + TN, tn1 = std::min<int64_t>(TN, NT - t1);
+        prefetch(cp + t1 * tile_bytes, tn1 * tile_bytes);
+        prefetch(sp + t1 * G * kTile, tn1 * G * kTile * sizeof(float));
+        prefetch(op + t1 * G * kTile, tn1 * G * kTile * sizeof(float));
+      }
       for (int64_t j = 0; j < tn; ++j) {
         if (int4)
           unpack_int4(cp + (t0 + j) * tile_bytes, P, buf.data() + j * P * kTile);
