@@ -40,26 +40,42 @@ inline void prefetch(const void* p, int64_t bytes) {
 // of 128 + code: 0x4300 | code is exactly that number in bfloat16, so the unpacking is integer bit
 // operations only. The 128 * sum(x) this adds to each group's dot product is taken back through the
 // offset (lowbit_matmul subtracts 128 * scale from it).
+inline __m512i int4_pairs16(const uint8_t* codes) {  // 16 columns' bytes -> their 16 bf16 pairs
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  v = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));  // low code at bits 0-3, high code at bits 16-19
+  return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);  // (v & keep) | bias
+}
+
 inline void unpack_int4(const uint8_t* codes, int64_t P, uint32_t* buf) {
-  const __m512i keep = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
-  for (int64_t p = 0; p < P; ++p) {
-    for (int h = 0; h < 2; ++h) {
-      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * kTile + h * 16)));
-      v = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));  // low code at bits 0-3, high code at bits 16-19
-      _mm512_storeu_si512(buf + p * kTile + h * 16, _mm512_ternarylogic_epi32(v, keep, bias, 0xEA));  // (v & keep) | bias
-    }
-  }
+  for (int64_t p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_si512(buf + p * kTile + h * 16, int4_pairs16(codes + p * kTile + h * 16));
 }
 
 // Unpack one tile's 8-bit codes ([P][32][2] int8: column-major pairs) into bf16 pairs (exact: |code| <= 127).
+inline __m512i int8_pairs16(const int8_t* c) {  // 16 columns' pairs (32 bytes) -> their 16 bf16 pairs
+  __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+  __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+}
+
 inline void unpack_int8(const int8_t* codes, int64_t P, uint32_t* buf) {
-  for (int64_t p = 0; p < P; ++p) {
-    for (int h = 0; h < 2; ++h) {
-      const int8_t* c = codes + p * 2 * kTile + h * 32;
-      __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-      __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
-      _mm512_storeu_si512(buf + p * kTile + h * 16, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
+  for (int64_t p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_si512(buf + p * kTile + h * 16, int8_pairs16(codes + p * 2 * kTile + h * 32));
+}
+
+// Where rows_block reads the weights' bf16 pairs: a buffer unpacked ahead (``src``: uint32, P * kTile a tile), or
+// the codes themselves, unpacked in registers as they are used (``src``: the first tile's bytes, ``tile_bytes``
+// apart). The pairs are the same bits either way.
+enum class Source { kBuffer, kInt4, kInt8 };
+
+template <Source S>
+inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, int64_t P, int64_t tile_bytes) {
+  if constexpr (S == Source::kBuffer) {
+    return (__m512bh)_mm512_loadu_si512(static_cast<const uint32_t*>(src) + tile * P * kTile + p * kTile + half * 16);
+  } else if constexpr (S == Source::kInt4) {
+    return (__m512bh)int4_pairs16(static_cast<const uint8_t*>(src) + tile * tile_bytes + p * kTile + half * 16);
+  } else {
+    return (__m512bh)int8_pairs16(static_cast<const int8_t*>(src) + tile * tile_bytes + p * 2 * kTile + half * 32);
   }
 }
 
@@ -67,9 +83,10 @@ inline void unpack_int8(const int8_t* codes, int64_t P, uint32_t* buf) {
 // Every output element is reduced the same way whatever MR and TN are: per group, a chain of dot
 // products over its pairs, then scale and offset applied in float32. Larger MR * TN only gives the
 // core more independent chains to overlap.
-template <int MR, int TN>
-inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_t G, const uint32_t* buf,
-                       const float* scale, const float* offset, int64_t PG, float* out, int64_t N, int64_t n0) {
+template <int MR, int TN, Source S = Source::kBuffer>
+inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_t G, const void* src,
+                       const float* scale, const float* offset, int64_t PG, float* out, int64_t N, int64_t n0,
+                       int64_t tile_bytes = 0) {
   constexpr int V = 2 * TN;  // 16-column vectors per row
   __m512 res[MR][V];
   for (int r = 0; r < MR; ++r)
@@ -80,8 +97,7 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
       for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
     for (int64_t p = g * PG; p < (g + 1) * PG; ++p) {
       __m512bh w[V];
-      for (int j = 0; j < V; ++j)
-        w[j] = (__m512bh)_mm512_loadu_si512(buf + (j / 2) * P * kTile + p * kTile + (j % 2) * 16);
+      for (int j = 0; j < V; ++j) w[j] = pairs16<S>(src, j / 2, j % 2, p, P, tile_bytes);
       for (int r = 0; r < MR; ++r) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x32[r * P + p]));
         for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
@@ -100,6 +116,38 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
     if (cols <= 0) break;
     const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
     for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * N + c0, mask, res[r][j]);
+  }
+}
+
+// One chunk of tn tiles (codes at ``codes``, ``tile_bytes`` apart) for all M <= 6 rows, reading the codes in
+// place: four tiles at a time for one or two rows, else all rows a tile at a time (as the buffered path).
+template <Source S>
+void direct_chunk(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const uint8_t* codes,
+                  int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
+                  int64_t n0) {
+  if (M <= 2) {
+    for (int64_t m = 0; m < M; ++m) {
+      if (tn == 4) {
+        rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, codes, st, ot, PG, out + m * N, N, n0, tile_bytes);
+        continue;
+      }
+      for (int64_t j = 0; j < tn; ++j)
+        rows_block<1, 1, S>(x32 + m * P, P, xsum + m * G, G, codes + j * tile_bytes, st + j * G * kTile,
+                            ot + j * G * kTile, PG, out + m * N, N, n0 + j * kTile, tile_bytes);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < tn; ++j) {
+    const uint8_t* c = codes + j * tile_bytes;
+    const float* s = st + j * G * kTile;
+    const float* o = ot + j * G * kTile;
+    const int64_t nj = n0 + j * kTile;
+    switch (M) {
+      case 6: rows_block<6, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
+      case 5: rows_block<5, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
+      case 4: rows_block<4, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
+      default: rows_block<3, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
+    }
   }
 }
 
@@ -157,7 +205,7 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   // six rows at a time. Either way each output is computed the same (see rows_block).
   const int64_t TN = M <= 2 ? 4 : 1;
   at::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> buf(TN * P * kTile);
+    std::vector<uint32_t> buf(M <= 6 ? 0 : TN * P * kTile);  // only the buffered path (more than six rows) uses it
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
       if (chunk + 1 < end) {  // the next chunk's codes, scales and offsets: from memory while this one computes
@@ -166,16 +214,25 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
         prefetch(sp + t1 * G * kTile, tn1 * G * kTile * sizeof(float));
         prefetch(op + t1 * G * kTile, tn1 * G * kTile * sizeof(float));
       }
+      const float* st = sp + t0 * G * kTile;
+      const float* ot = op + t0 * G * kTile;
+      const int64_t n0 = t0 * kTile;
+      if (M <= 6) {  // one block of rows: unpack in registers as the codes are used (no buffer to write and read)
+        if (int4)
+          direct_chunk<Source::kInt4>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
+                                      outp, N, n0);
+        else
+          direct_chunk<Source::kInt8>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
+                                      outp, N, n0);
+        continue;
+      }
       for (int64_t j = 0; j < tn; ++j) {
         if (int4)
           unpack_int4(cp + (t0 + j) * tile_bytes, P, buf.data() + j * P * kTile);
         else
           unpack_int8(reinterpret_cast<const int8_t*>(cp + (t0 + j) * tile_bytes), P, buf.data() + j * P * kTile);
       }
-      const float* st = sp + t0 * G * kTile;
-      const float* ot = op + t0 * G * kTile;
       const uint32_t* w = buf.data();
-      const int64_t n0 = t0 * kTile;
       if (TN == 4) {
         for (int64_t m = 0; m < M; ++m) {
           const uint32_t* xr = x32 + m * P;
