@@ -6,9 +6,11 @@
 // batch-invariant decode path of mindie_host/backends/platform.py calls it for every generated token.
 //
 // prompt_attention: the n prompt tokens of one sequence (a whole prompt or a chunk of one) over its context,
-// causally. Flash-style: a task is (KV head, block of query rows) and walks the visible keys in blocks of 32
-// with a running maximum and sum, so only the keys a row can see are scored; the order of every reduction is
-// fixed by the shapes alone, so the result is the same whichever thread runs a task.
+// causally. Flash-style: a task is (KV head, block of 16 query rows) and walks the visible keys in blocks of 16
+// with a running maximum and sum, so only the keys a row can see are scored. Its query vectors sit one per float32
+// lane, so scores, softmax and the weighted sum of values are all lane-wise fused multiply-adds (no horizontal
+// sums, no transposed keys); the order of every reduction is fixed by the shapes alone, so the result is the same
+// whichever thread runs a task.
 //
 // Both compute in float32. Built on first use by mindie_host/backends/cpu_attention.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
@@ -291,164 +293,112 @@ void run(const float* q, const T* k, const T* v, const int64_t* slots, const int
 
 
 #if defined(__AVX512F__)
-constexpr int64_t KB = 32;  // keys per block of prompt attention
+constexpr int64_t KB = 16;  // keys per block of prompt attention
+constexpr int64_t L = 16;   // query vectors a lane group (one per float32 lane)
 
-// Convert up to KB keys' K rows (transposed: kt[d * KB + j]) and V rows (vb[j * D + d]) of KV head h to float32;
-// keys past ``count`` are zero.
-template <typename T, int ND>
-void load_block(const T* k, const T* v, const int64_t* idx, int64_t count, int64_t KV, int64_t h, float* kt,
-                float* vb) {
+// The scores of a lane group's 16 query vectors (qt: [D][16], scaled) against KB keys (kf: [KB][D] float32):
+// s[j] holds key j's score in every lane. Each lane's sum runs over d in order.
+template <int ND>
+inline void group_scores(const float* qt, const float* kf, __m512* s) {
   constexpr int64_t D = 16 * ND;
-  for (int64_t j = 0; j < KB; ++j) {
-    if (j < count) {
-      const T* kr = k + (idx[j] * KV + h) * D;
-      const T* vr = v + (idx[j] * KV + h) * D;
-      for (int c = 0; c < ND; ++c) {
-        _mm512_storeu_ps(vb + j * D + c * 16, load16(vr, c));
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, load16(kr, c));
-        for (int e = 0; e < 16; ++e) kt[(c * 16 + e) * KB + j] = tmp[e];
-      }
-    } else {
-      for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = 0.f;
-      std::memset(vb + j * D, 0, D * sizeof(float));
-    }
-  }
-}
-
-// Scores of NQ query vectors (rows of qs, already scaled) against the KB keys of kt: s[i * KB + j].
-template <int NQ, int ND>
-inline void score_tile(const float* qs, const float* kt, float* s) {
-  constexpr int64_t D = 16 * ND;
-  __m512 acc[NQ][2];
-  for (int i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(kt + d * KB), k1 = _mm512_loadu_ps(kt + d * KB + 16);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 qd = _mm512_set1_ps(qs[i * D + d]);
-      acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < NQ; ++i) {
-    _mm512_storeu_ps(s + i * KB, acc[i][0]);
-    _mm512_storeu_ps(s + i * KB + 16, acc[i][1]);
+    const __m512 qd = _mm512_loadu_ps(qt + d * L);
+    for (int j = 0; j < KB; ++j) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kf[j * D + d]), s[j]);
   }
 }
 
-// o[i] += sum_j p[i * KB + j] * vb[j] for NQ query vectors, over the first ``count`` keys.
-template <int NQ, int ND>
-inline void value_tile(const float* p, const float* vb, int64_t count, float* o) {
-  constexpr int64_t D = 16 * ND;
-  __m512 acc[NQ][ND];
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_loadu_ps(o + i * D + c * 16);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 vj[ND];
-    for (int c = 0; c < ND; ++c) vj[c] = _mm512_loadu_ps(vb + j * D + c * 16);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 w = _mm512_set1_ps(p[i * KB + j]);
-      for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_fmadd_ps(w, vj[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
-}
-
-constexpr int SCORE_TILE = 6;
-
+// ot[d] = ot[d] * alpha + sum_j pt[j] * vf[j][d] for every dim d, each lane its own query vector (ot: [D][16]).
 template <int ND>
-void scores_of(const float* qs, const float* kt, float* s, int64_t nv) {
+inline void group_values(const float* pt, const float* vf, int64_t count, __m512 alpha, float* ot) {
   constexpr int64_t D = 16 * ND;
-  int64_t i = 0;
-  for (; i + SCORE_TILE <= nv; i += SCORE_TILE) score_tile<SCORE_TILE, ND>(qs + i * D, kt, s + i * KB);
-  switch (nv - i) {
-    case 5: score_tile<5, ND>(qs + i * D, kt, s + i * KB); break;
-    case 4: score_tile<4, ND>(qs + i * D, kt, s + i * KB); break;
-    case 3: score_tile<3, ND>(qs + i * D, kt, s + i * KB); break;
-    case 2: score_tile<2, ND>(qs + i * D, kt, s + i * KB); break;
-    case 1: score_tile<1, ND>(qs + i * D, kt, s + i * KB); break;
-    default: break;
+  for (int c = 0; c < ND; ++c) {
+    __m512 o[16];
+    for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ot + (c * 16 + e) * L), alpha);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 pj = _mm512_loadu_ps(pt + j * L);
+      const float* vr = vf + j * D + c * 16;
+      for (int e = 0; e < 16; ++e) o[e] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vr[e]), o[e]);
+    }
+    for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ot + (c * 16 + e) * L, o[e]);
   }
 }
 
-template <int ND>
-void values_of(const float* p, const float* vb, int64_t count, float* o, int64_t nv) {
-  constexpr int64_t D = 16 * ND;
-  constexpr int NQ = 16 / ND;  // 4 query vectors at D = 64, 2 at D = 128: 16 accumulators
-  int64_t i = 0;
-  for (; i + NQ <= nv; i += NQ) value_tile<NQ, ND>(p + i * KB, vb, count, o + i * D);
-  for (; i < nv; ++i) value_tile<1, ND>(p + i * KB, vb, count, o + i * D);
-}
-
-// One task: query rows r0 .. r1 - 1 (positions ctx - n + r) of KV head h, with its G query heads each.
+// One task: query rows r0 .. r1 - 1 (positions ctx - n + r) of KV head h, with its G query heads each: nv query
+// vectors in lane groups of 16, each lane one vector (the layout makes the softmax's maximum and sum lane-wise).
+// Keys are walked in blocks of KB, converted to float32 once for all groups; a group skips the blocks none of its
+// rows can see. A lane's arithmetic depends only on its own query and keys, in an order fixed by the shapes.
 template <typename T, int ND>
 void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t ctx, int64_t H,
                  int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out, std::vector<float>& buf) {
   constexpr int64_t D = 16 * ND;
-  const int64_t G = H / KV, nv = (r1 - r0) * G;
-  buf.resize(nv * D * 2 + nv * KB + nv * 2 + D * KB * 2);
-  float* qs = buf.data();
-  float* o = qs + nv * D;
-  float* s = o + nv * D;
-  float* m = s + nv * KB;
-  float* l = m + nv;
-  float* kt = l + nv;
-  float* vb = kt + D * KB;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = (r - r0) * G + g;
-      for (int c = 0; c < ND; ++c)
-        _mm512_storeu_ps(qs + i * D + c * 16,
-                         _mm512_mul_ps(_mm512_loadu_ps(q + (r * H + h * G + g) * D + c * 16), vscale));
-      m[i] = -FLT_MAX;
-      l[i] = 0.f;
-    }
-  std::memset(o, 0, nv * D * sizeof(float));
-  const int64_t first = ctx - n;             // position of query row 0
-  const int64_t last_key = first + r1 - 1;   // the last row's position: no row of the task sees past it
+  const int64_t G = H / KV, nv = (r1 - r0) * G, groups = (nv + L - 1) / L;
+  buf.resize(groups * D * L * 2 + groups * L * 3 + 2 * KB * D + KB * L);
+  float* qt = buf.data();                 // [groups][D][16] scaled queries
+  float* ot = qt + groups * D * L;        // [groups][D][16] running weighted sums of values
+  float* mx = ot + groups * D * L;        // [groups][16] running maximum
+  float* sum = mx + groups * L;           // [groups][16] running sum of exponentials
+  float* pos = sum + groups * L;          // [groups][16] each lane's position (as float: exact below 2^24)
+  float* kf = pos + groups * L;           // [KB][D] this block's keys
+  float* vf = kf + KB * D;                // [KB][D] and values
+  float* pt = vf + KB * D;                // [KB][16] this block's exponentials for one group
+  const int64_t first = ctx - n;          // position of query row 0
+  for (int64_t i = 0; i < groups * L; ++i) {
+    const int64_t iv = std::min(i, nv - 1);  // lanes past the last vector repeat it (finite, never written out)
+    const int64_t r = r0 + iv / G, g = iv % G;
+    const float* qr = q + (r * H + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[(i / L) * D * L + d * L + i % L] = qr[d] * scale;
+    pos[i] = static_cast<float>(first + r);
+    mx[i] = -FLT_MAX;
+    sum[i] = 0.f;
+  }
+  std::memset(ot, 0, groups * D * L * sizeof(float));
+  const int64_t last_key = first + r1 - 1;  // the last row's position: no row of the task sees past it
   for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {
     const int64_t count = std::min(KB, last_key + 1 - k0);
-    load_block<T, ND>(k, v, slots + k0, count, KV, h, kt, vb);
-    scores_of<ND>(qs, kt, s, nv);
-    int64_t widest = 0;
-    for (int64_t i = 0; i < nv; ++i) {
-      const int64_t seen = std::min(count, first + r0 + i / G + 1 - k0);  // keys of this block the row sees
-      float* si = s + i * KB;
-      if (seen <= 0) {
-        std::memset(si, 0, KB * sizeof(float));
-        continue;
+    for (int64_t j = 0; j < KB; ++j) {
+      if (j < count) {
+        const T* kr = k + (slots[k0 + j] * KV + h) * D;
+        const T* vr = v + (slots[k0 + j] * KV + h) * D;
+        for (int c = 0; c < ND; ++c) {
+          _mm512_storeu_ps(kf + j * D + c * 16, load16(kr, c));
+          _mm512_storeu_ps(vf + j * D + c * 16, load16(vr, c));
+        }
+      } else {
+        std::memset(kf + j * D, 0, D * sizeof(float));
+        std::memset(vf + j * D, 0, D * sizeof(float));
       }
-      widest = std::max(widest, seen);
-      const __mmask16 m0 = seen >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << seen) - 1);
-      const __mmask16 m1 = seen >= 32 ? 0xFFFF : seen <= 16 ? 0 : static_cast<__mmask16>((1u << (seen - 16)) - 1);
-      const __m512 neg = _mm512_set1_ps(-FLT_MAX);
-      const __m512 a = _mm512_mask_loadu_ps(neg, m0, si), b = _mm512_mask_loadu_ps(neg, m1, si + 16);
-      const float mnew = std::max(m[i], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
-      const __m512 vm = _mm512_set1_ps(mnew);
-      const __m512 ea = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(a, vm)));
-      const __m512 eb = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(b, vm)));
-      _mm512_storeu_ps(si, ea);
-      _mm512_storeu_ps(si + 16, eb);
-      const float alpha = std::exp(m[i] - mnew);
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(ea, eb));
-      if (alpha != 1.f) {
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int c = 0; c < ND; ++c)
-          _mm512_storeu_ps(o + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), va));
-      }
-      m[i] = mnew;
     }
-    values_of<ND>(s, vb, widest, o, nv);
+    for (int64_t gr = 0; gr < groups; ++gr) {
+      const __m512 pv = _mm512_loadu_ps(pos + gr * L);
+      if (_mm512_reduce_max_ps(pv) < static_cast<float>(k0)) continue;  // no row of the group sees this block
+      __m512 s[KB];
+      group_scores<ND>(qt + gr * D * L, kf, s);
+      __mmask16 seen[KB];
+      __m512 bmax = _mm512_set1_ps(-FLT_MAX);
+      for (int j = 0; j < KB; ++j) {  // key k0 + j is seen by the lanes at or after it
+        seen[j] = j < count ? _mm512_cmp_ps_mask(pv, _mm512_set1_ps(static_cast<float>(k0 + j)), _CMP_GE_OQ) : 0;
+        bmax = _mm512_mask_max_ps(bmax, seen[j], bmax, s[j]);
+      }
+      const __m512 m_old = _mm512_loadu_ps(mx + gr * L), m_new = _mm512_max_ps(m_old, bmax);
+      const __m512 alpha = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+      __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum + gr * L), alpha);
+      for (int j = 0; j < KB; ++j) {
+        const __m512 e = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(s[j], m_new)));
+        total = _mm512_add_ps(total, e);
+        _mm512_storeu_ps(pt + j * L, e);
+      }
+      _mm512_storeu_ps(mx + gr * L, m_new);
+      _mm512_storeu_ps(sum + gr * L, total);
+      group_values<ND>(pt, vf, count, alpha, ot + gr * D * L);
+    }
   }
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = (r - r0) * G + g;
-      const __m512 inv = _mm512_set1_ps(1.f / l[i]);
-      for (int c = 0; c < ND; ++c)
-        _mm512_storeu_ps(out + (r * H + h * G + g) * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), inv));
-    }
+  for (int64_t iv = 0; iv < nv; ++iv) {
+    const int64_t r = r0 + iv / G, g = iv % G, gr = iv / L, lane = iv % L;
+    const float inv = 1.f / sum[gr * L + lane];
+    float* o = out + (r * H + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
+  }
 }
 
 constexpr int64_t QB = 16;  // query rows per prompt-attention task
