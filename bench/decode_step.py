@@ -11,6 +11,10 @@ for each batch size; ``--profile B`` prints torch.profiler's operator table for 
     python bench/decode_step.py --compile                         # compiled decode steps
     python bench/decode_step.py --batches 16 --profile 16         # where a B=16 step goes
     python bench/decode_step.py --context 600 --spread 0.75       # contexts 150..1050 (mean 600)
+    python bench/decode_step.py --batches 52 --spread 0.75 --mixed-chunk 512   # a chunked-prefill (mixed) step
+
+``--mixed-chunk N`` times mixed steps instead, as chunked prefill (splitfuse) builds them under load: the
+``B`` decodes plus an N-token prompt chunk of another sequence that already has N tokens cached.
 """
 
 from __future__ import annotations
@@ -43,6 +47,21 @@ def decode_batch(contexts: list[int], block_size: int, blocks_per_seq: int) -> M
                       logits_indices=list(range(batch)), row_variants=[-1] * batch)
 
 
+def mixed_batch(contexts: list[int], chunk: int, block_size: int, blocks_per_seq: int) -> ModelInput:
+    """An ``chunk``-token prompt chunk (positions ``chunk .. 2 * chunk - 1`` of a longer prompt) followed by the
+    decodes of :func:`decode_batch`: the rows a chunked-prefill step runs."""
+    decode = decode_batch(contexts, block_size, blocks_per_seq)
+    first = len(contexts)  # the chunk's sequence owns the blocks after the decodes'
+    table = list(range(1 + first * blocks_per_seq, 1 + (first + 1) * blocks_per_seq))
+    return ModelInput(input_ids=[(7 * t + 11) % 40000 for t in range(chunk)] + decode.input_ids,
+                      positions=list(range(chunk, 2 * chunk)) + decode.positions,
+                      query_lens=[chunk] + decode.query_lens, context_lens=[2 * chunk] + decode.context_lens,
+                      block_tables=[table] + decode.block_tables,
+                      logits_indices=[chunk - 1] + [chunk + i for i in decode.logits_indices],
+                      row_variants=[-1] + decode.row_variants,
+                      prompt_lens=[2 * chunk + 1] + [c // 2 for c in contexts])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
@@ -54,23 +73,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--spread", type=float, default=0.0,
                     help="contexts spread evenly over context * (1 -/+ spread) instead of all equal (0 to 1)")
+    ap.add_argument("--mixed-chunk", type=int, default=0,
+                    help="time mixed steps: the decodes plus a prompt chunk of this many tokens after as many cached")
     ap.add_argument("--profile", type=int, help="print torch.profiler's operator table for one step of this batch")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
-    per_seq = -(-(max(contexts_of(2, args.context, args.spread)) + 1) // block_size)
+    per_seq = -(-(max(contexts_of(2, args.context, args.spread) + [2 * args.mixed_chunk]) + 1) // block_size)
     cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
-                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + max(batches) * per_seq, 65),
+                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + (max(batches) + 1) * per_seq, 65),
                                      "cpuMemSize": 8},
-                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches), "maxPrefillBatchSize": 0},
+                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches) + (1 if args.mixed_chunk else 0),
+                                  "maxPrefillBatchSize": 0},
                         deploy={"maxSeqLen": max(1024, per_seq * block_size)})
     host = loaded_host(cfg)
     backend = host.backend
     if args.compile:  # the decode step compiles in the background: time it once it is in use
         backend.wait_compiled()
     results = {}
+    def step_of(b: int) -> ModelInput:
+        contexts = contexts_of(b, args.context, args.spread)
+        if args.mixed_chunk:
+            return mixed_batch(contexts, args.mixed_chunk, block_size, per_seq)
+        return decode_batch(contexts, block_size, per_seq)
+
     for b in batches:
-        batch = decode_batch(contexts_of(b, args.context, args.spread), block_size, per_seq)
+        batch = step_of(b)
         for _ in range(2):
             backend.execute(batch)
         times = []
@@ -79,14 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             backend.execute(batch)
             times.append((time.perf_counter() - t0) * 1000)
         results[b] = round(statistics.median(times), 2)
-        print(f"B={b:3d}  context {args.context}: {results[b]:7.2f} ms/step (median of {args.repeat})", flush=True)
+        what = f" + a {args.mixed_chunk}-token chunk" if args.mixed_chunk else ""
+        print(f"B={b:3d}{what}  context {args.context}: {results[b]:7.2f} ms/step (median of {args.repeat})",
+              flush=True)
     if args.profile:
-        batch = decode_batch(contexts_of(args.profile, args.context, args.spread), block_size, per_seq)
+        batch = step_of(args.profile)
         with torch.profiler.profile() as prof:
             backend.execute(batch)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     print(json.dumps({"quantization": args.quantization, "compile": args.compile, "context": args.context,
-                      "spread": args.spread,
+                      "spread": args.spread, "mixed_chunk": args.mixed_chunk,
                       "ms_per_step": results}))
     host.shutdown()
     return 0

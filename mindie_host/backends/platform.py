@@ -340,6 +340,7 @@ class Platform:
                                                                 meta.gather_index[i, :ctx], scale)
         return out.reshape(q.shape[0], heads, dim)
 
+
 def ragged(num_seqs: int, max_query_len: int, tokens: int) -> bool:
     """Whether a step of sequences with different query lengths runs its attention sequence by sequence
     (:meth:`Platform.paged_attention`): when padding every query to the longest would more than double the
