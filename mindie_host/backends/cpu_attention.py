@@ -14,8 +14,9 @@ operators (logged once).
 Prompt tokens (a whole prompt, or a chunk of one beside decodes) go through
 :func:`prompt_attention`: flash-style over the paged cache in place, scoring only the keys each row
 can see. torch's CPU scaled-dot-product kernel with the causal mask such a chunk needs (its rows sit
-after a cached prefix) scores every key of the context and runs at about a sixth of the cores' float32
-rate; it took about half of a 512-token chunk's step (bench/PERF.md, "Prompt attention").
+after a cached prefix) scores every key of the context, about a quarter of the cores' float32 rate on
+the pairs the mask lets through; it took almost half of a 512-token chunk's step (bench/PERF.md,
+"Prompt attention, balanced decode attention and one-row products").
 """
 
 from __future__ import annotations
