@@ -63,15 +63,16 @@ inline void unpack_int8(const int8_t* codes, int64_t P, uint32_t* buf) {
     for (int h = 0; h < 2; ++h) _mm512_storeu_si512(buf + p * kTile + h * 16, int8_pairs16(codes + p * 2 * kTile + h * 32));
 }
 
-// Where rows_block reads the weights' bf16 pairs: a buffer unpacked ahead (``src``: uint32, P * kTile a tile), or
-// the codes themselves, unpacked in registers as they are used (``src``: the first tile's bytes, ``tile_bytes``
-// apart). The pairs are the same bits either way.
+// Where rows_block reads the weights' bf16 pairs: a buffer unpacked ahead (uint32, P * kTile of them a tile), or
+// the codes themselves, unpacked in registers as they are used; either way ``src`` is the first tile and tiles are
+// ``tile_bytes`` apart. The pairs are the same bits either way.
 enum class Source { kBuffer, kInt4, kInt8 };
 
 template <Source S>
 inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, int64_t P, int64_t tile_bytes) {
   if constexpr (S == Source::kBuffer) {
-    return (__m512bh)_mm512_loadu_si512(static_cast<const uint32_t*>(src) + tile * P * kTile + p * kTile + half * 16);
+    return (__m512bh)_mm512_loadu_si512(
+        reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(src) + tile * tile_bytes) + p * kTile + half * 16);
   } else if constexpr (S == Source::kInt4) {
     return (__m512bh)int4_pairs16(static_cast<const uint8_t*>(src) + tile * tile_bytes + p * kTile + half * 16);
   } else {
@@ -119,34 +120,44 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
   }
 }
 
-// One chunk of tn tiles (codes at ``codes``, ``tile_bytes`` apart) for all M <= 6 rows, reading the codes in
-// place: four tiles at a time for one or two rows, else all rows a tile at a time (as the buffered path).
+// One chunk of tn tiles (at ``src``, ``tile_bytes`` apart) for all M rows: one or two rows four tiles at a time
+// (more independent chains), more rows a tile at a time, six rows at a time. Each output is computed the same way
+// whatever the grouping (see rows_block).
 template <Source S>
-void direct_chunk(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const uint8_t* codes,
-                  int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
-                  int64_t n0) {
+void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const void* src,
+                int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
+                int64_t n0) {
+  const uint8_t* tiles = static_cast<const uint8_t*>(src);
   if (M <= 2) {
     for (int64_t m = 0; m < M; ++m) {
       if (tn == 4) {
-        rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, codes, st, ot, PG, out + m * N, N, n0, tile_bytes);
+        rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, tiles, st, ot, PG, out + m * N, N, n0, tile_bytes);
         continue;
       }
       for (int64_t j = 0; j < tn; ++j)
-        rows_block<1, 1, S>(x32 + m * P, P, xsum + m * G, G, codes + j * tile_bytes, st + j * G * kTile,
+        rows_block<1, 1, S>(x32 + m * P, P, xsum + m * G, G, tiles + j * tile_bytes, st + j * G * kTile,
                             ot + j * G * kTile, PG, out + m * N, N, n0 + j * kTile, tile_bytes);
     }
     return;
   }
   for (int64_t j = 0; j < tn; ++j) {
-    const uint8_t* c = codes + j * tile_bytes;
+    const uint8_t* w = tiles + j * tile_bytes;
     const float* s = st + j * G * kTile;
     const float* o = ot + j * G * kTile;
     const int64_t nj = n0 + j * kTile;
-    switch (M) {
-      case 6: rows_block<6, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
-      case 5: rows_block<5, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
-      case 4: rows_block<4, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
-      default: rows_block<3, 1, S>(x32, P, xsum, G, c, s, o, PG, out, N, nj, tile_bytes); break;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6)
+      rows_block<6, 1, S>(x32 + m * P, P, xsum + m * G, G, w, s, o, PG, out + m * N, N, nj, tile_bytes);
+    const uint32_t* xr = x32 + m * P;
+    const float* xs = xsum + m * G;
+    float* om = out + m * N;
+    switch (M - m) {
+      case 5: rows_block<5, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      case 4: rows_block<4, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      case 3: rows_block<3, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      case 2: rows_block<2, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      case 1: rows_block<1, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      default: break;
     }
   }
 }
@@ -219,11 +230,11 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
       const int64_t n0 = t0 * kTile;
       if (M <= 6) {  // one block of rows: unpack in registers as the codes are used (no buffer to write and read)
         if (int4)
-          direct_chunk<Source::kInt4>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
-                                      outp, N, n0);
+          chunk_rows<Source::kInt4>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
+                                    outp, N, n0);
         else
-          direct_chunk<Source::kInt8>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
-                                      outp, N, n0);
+          chunk_rows<Source::kInt8>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
+                                    outp, N, n0);
         continue;
       }
       for (int64_t j = 0; j < tn; ++j) {
@@ -232,35 +243,8 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
         else
           unpack_int8(reinterpret_cast<const int8_t*>(cp + (t0 + j) * tile_bytes), P, buf.data() + j * P * kTile);
       }
-      const uint32_t* w = buf.data();
-      if (TN == 4) {
-        for (int64_t m = 0; m < M; ++m) {
-          const uint32_t* xr = x32 + m * P;
-          const float* xs = xsum.data() + m * G;
-          if (tn == 4) {
-            rows_block<1, 4>(xr, P, xs, G, w, st, ot, PG, outp + m * N, N, n0);
-          } else {
-            for (int64_t j = 0; j < tn; ++j)
-              rows_block<1, 1>(xr, P, xs, G, w + j * P * kTile, st + j * G * kTile, ot + j * G * kTile, PG,
-                               outp + m * N, N, n0 + j * kTile);
-          }
-        }
-        continue;
-      }
-      int64_t m = 0;
-      for (; m + 6 <= M; m += 6)
-        rows_block<6, 1>(x32 + m * P, P, xsum.data() + m * G, G, w, st, ot, PG, outp + m * N, N, n0);
-      const uint32_t* xr = x32 + m * P;
-      const float* xs = xsum.data() + m * G;
-      float* o = outp + m * N;
-      switch (M - m) {
-        case 5: rows_block<5, 1>(xr, P, xs, G, w, st, ot, PG, o, N, n0); break;
-        case 4: rows_block<4, 1>(xr, P, xs, G, w, st, ot, PG, o, N, n0); break;
-        case 3: rows_block<3, 1>(xr, P, xs, G, w, st, ot, PG, o, N, n0); break;
-        case 2: rows_block<2, 1>(xr, P, xs, G, w, st, ot, PG, o, N, n0); break;
-        case 1: rows_block<1, 1>(xr, P, xs, G, w, st, ot, PG, o, N, n0); break;
-        default: break;
-      }
+      chunk_rows<Source::kBuffer>(x32, M, P, xsum.data(), G, buf.data(), P * kTile * sizeof(uint32_t), tn, st, ot,
+                                  PG, outp, N, n0);
     }
   });
 #endif
