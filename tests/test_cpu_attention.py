@@ -21,32 +21,37 @@ pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C++ c
 SLOTS, KV, D, H = 16384, 3, 64, 9
 
 
-def case(dtype: torch.dtype, lens: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+def case(dtype: torch.dtype, lens: list[int], seed: int = 0, heads: int = H, kv: int = KV,
+         dim: int = D) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(SLOTS, KV, D, generator=g).to(dtype)
-    v = torch.randn(SLOTS, KV, D, generator=g).to(dtype)
-    q = torch.randn(len(lens), H, D, generator=g)
+    k = torch.randn(SLOTS, kv, dim, generator=g).to(dtype)
+    v = torch.randn(SLOTS, kv, dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g)
     # each sequence's context in 16-slot blocks at random places, as a paged cache holds it
     blocks = torch.randperm(SLOTS // 16, generator=g)[: len(lens) * 64].view(len(lens), 64)
     slots = (blocks[:, :, None] * 16 + torch.arange(16)).reshape(len(lens), -1)[:, : max(lens)].contiguous()
     return q, k, v, slots, torch.tensor(lens)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+              scale: float = 0.125) -> torch.Tensor:
     out = []
     for b, n in enumerate(lens.tolist()):
         keys = k[slots[b, :n]].float().transpose(0, 1).unsqueeze(0)
         values = v[slots[b, :n]].float().transpose(0, 1).unsqueeze(0)
-        out.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=0.125, enable_gqa=True)[0, :, 0])
+        out.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=scale, enable_gqa=True)[0, :, 0])
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_torch_attention(dtype: torch.dtype) -> None:
-    q, k, v, slots, lens = case(dtype, [1, 7, 16, 17, 300, 999])
-    got = cpu_attention.decode_attention(q, k, v, slots, lens, 0.125)
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(H, KV, D), (8, 2, 128), (4, 4, 64), (12, 1, 128)])
+def test_kernel_matches_torch_attention(dtype: torch.dtype, heads: int, kv: int, dim: int) -> None:
+    # contexts that end inside and at the edges of the kernel's 4-token score groups and 32-token chunks
+    q, k, v, slots, lens = case(dtype, [1, 2, 7, 16, 17, 31, 33, 300, 999], heads=heads, kv=kv, dim=dim)
+    got = cpu_attention.decode_attention(q, k, v, slots, lens, dim ** -0.5)
     assert got is not None
-    torch.testing.assert_close(got, reference(q, k, v, slots, lens), rtol=1e-5, atol=1e-5)
+    want = reference(q, k, v, slots, lens, scale=dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:

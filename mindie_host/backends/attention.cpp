@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -97,38 +98,85 @@ inline __m512 load16(const at::BFloat16* row, int c) {
 
 // Ask for the cache lines of heads h0 .. h1 of the slots of tokens t0 .. t1 (the next chunk's rows: a paged
 // cache's blocks sit anywhere, which the hardware prefetcher cannot follow).
-template <typename T>
+template <typename T, int HINT = _MM_HINT_T0>
 inline void prefetch_rows(const T* cache, const int64_t* idx, int64_t t0, int64_t t1, int64_t KV, int64_t h0,
                           int64_t h1, int64_t head_bytes) {
   for (int64_t t = t0; t < t1; ++t) {
     const char* row = reinterpret_cast<const char*>(cache + idx[t] * KV * (head_bytes / sizeof(T)));
-    for (int64_t off = h0 * head_bytes; off < h1 * head_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    for (int64_t off = h0 * head_bytes; off < h1 * head_bytes; off += 64) _mm_prefetch(row + off, (_mm_hint)HINT);
   }
 }
 
-// Scores of NG query heads of KV head h (their queries D apart at q, scores ``padded`` apart at sg) over tokens
-// t0 .. t1: each K row is read and converted once for all of them.
+// A K or V row of head dim 16 * ND as ND float32 vectors, in the kernel's dim order: float32 rows as stored;
+// bfloat16 rows as each 32-dim chunk's even dims then its odd dims (one 64-byte load, one shift and one mask
+// for 32 values). Queries are put in the same order (to_row_order), so dot products pair the same dims, and
+// the values' accumulators are put back (from_row_order) when stored.
+template <int ND>
+inline void load_row(const float* row, __m512* out) {
+  for (int c = 0; c < ND; ++c) out[c] = _mm512_loadu_ps(row + c * 16);
+}
+template <int ND>
+inline void load_row(const at::BFloat16* row, __m512* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < ND; c += 2) {
+    const __m512i raw = _mm512_loadu_si512(row + c * 16);
+    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    out[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+  }
+}
+
+// Dim i of a row in the order load_row gives for T (identity for float32).
+template <typename T>
+inline int64_t row_dim(int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return i;
+  } else {
+    const int64_t chunk = i / 32, j = i % 32;
+    return chunk * 32 + (j < 16 ? 2 * j : 2 * (j - 16) + 1);
+  }
+}
+
+// The sums of four vectors' lanes: lanes 0, 4, 8 and 12 of the result hold a's, b's, c's and d's totals. The
+// same fixed tree of additions for every row, whichever tokens share the group.
+inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+  return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+// Scores of NG query heads of KV head h (their queries, scaled and in row order, ND vectors apart at qv) over
+// tokens t0 .. t1 (a multiple of 4 of them, but the last group), ``padded`` apart at sg: each K row is read and
+// converted once for all of them, and four tokens' sums are finished together.
 template <typename T, int ND, int NG>
-inline void score_heads(const float* q, float scale, const T* k, const int64_t* idx, int64_t t0, int64_t t1,
-                        int64_t KV, int64_t h, float* sg, int64_t padded) {
+inline void score_heads(const __m512* qv, const T* k, const int64_t* idx, int64_t t0, int64_t t1, int64_t KV,
+                        int64_t h, float* sg, int64_t padded) {
   constexpr int64_t D = 16 * ND;
-  __m512 qv[NG][ND];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), _mm512_set1_ps(scale));
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* kr = k + (idx[t] * KV + h) * D;
-    __m512 kv[ND];
-    for (int c = 0; c < ND; ++c) kv[c] = load16(kr, c);
-    for (int g = 0; g < NG; ++g) {
-      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < ND; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-      sg[g * padded + t] = _mm512_reduce_add_ps(s);
+  const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int64_t n = std::min<int64_t>(4, t1 - t);
+    __m512 s[NG][4];
+    for (int j = 0; j < 4; ++j) {
+      const T* kr = k + (idx[t + std::min<int64_t>(j, n - 1)] * KV + h) * D;  // a short group repeats its last row
+      __m512 kv[ND];
+      load_row<ND>(kr, kv);
+      for (int g = 0; g < NG; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g * ND], kv[0]);
+        for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(qv[g * ND + c], kv[c], acc);
+        s[g][j] = acc;
+      }
     }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < NG; ++g)
+      _mm512_mask_storeu_ps(sg + g * padded + t, keep,
+                            _mm512_permutexvar_ps(pick, sum4(s[g][0], s[g][1], s[g][2], s[g][3])));
   }
 }
 
 // Adds tokens t0 .. t1's V rows of KV head h, weighted by each of NG heads' softmax numerators (``padded``
-// apart at sg), to their accumulators (D apart at acc): each V row is read and converted once for all of them.
+// apart at sg), to their accumulators (D apart at acc, in row order): each V row is read and converted once for
+// all of them.
 template <typename T, int ND, int NG>
 inline void value_heads(const float* sg, int64_t padded, const T* v, const int64_t* idx, int64_t t0, int64_t t1,
                         int64_t KV, int64_t h, float* acc) {
@@ -137,9 +185,8 @@ inline void value_heads(const float* sg, int64_t padded, const T* v, const int64
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < ND; ++c) o[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
   for (int64_t t = t0; t < t1; ++t) {
-    const T* vr = v + (idx[t] * KV + h) * D;
     __m512 vv[ND];
-    for (int c = 0; c < ND; ++c) vv[c] = load16(vr, c);
+    load_row<ND>(v + (idx[t] * KV + h) * D, vv);
     for (int g = 0; g < NG; ++g) {
       const __m512 w = _mm512_set1_ps(sg[g * padded + t]);
       for (int c = 0; c < ND; ++c) o[g][c] = _mm512_fmadd_ps(w, vv[c], o[g][c]);
@@ -158,18 +205,29 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
               int64_t h0, int64_t h1, int64_t g0, int64_t GN, float scale, float* scores, float* acc, float* out) {
   constexpr int64_t D = 16 * ND, CH = 32;
   const int64_t padded = (ctx + 15) / 16 * 16, heads = (h1 - h0) * GN;
+  std::vector<__m512> qv(heads * ND);  // each head's query, scaled, in row order
+  {
+    std::vector<float> qs(D);
+    for (int64_t j = 0; j < heads; ++j) {
+      const float* qh = q + ((h0 + j / GN) * G + g0 + j % GN) * D;
+      for (int64_t i = 0; i < D; ++i) qs[i] = qh[row_dim<T>(i)] * scale;
+      for (int c = 0; c < ND; ++c) qv[j * ND + c] = _mm512_loadu_ps(qs.data() + c * 16);
+    }
+  }
   for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
+    prefetch_rows<T, _MM_HINT_T1>(v, idx, t0, t1, KV, h0, h1, D * sizeof(T));
+    prefetch_rows<T, _MM_HINT_T1>(k, idx, std::min(ctx, t1 + CH), std::min(ctx, t1 + 2 * CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t gs = 0; gs < GN; gs += 4) {
-        const float* qh = q + (h * G + g0 + gs) * D;
+        const __m512* qh = qv.data() + ((h - h0) * GN + gs) * ND;
         float* sg = scores + ((h - h0) * GN + gs) * padded;
         switch (std::min<int64_t>(4, GN - gs)) {
-          case 4: score_heads<T, ND, 4>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
-          case 3: score_heads<T, ND, 3>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
-          case 2: score_heads<T, ND, 2>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
-          default: score_heads<T, ND, 1>(qh, scale, k, idx, t0, t1, KV, h, sg, padded); break;
+          case 4: score_heads<T, ND, 4>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
+          case 3: score_heads<T, ND, 3>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
+          case 2: score_heads<T, ND, 2>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
+          default: score_heads<T, ND, 1>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
         }
       }
   }
@@ -206,9 +264,8 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
   }
   for (int64_t j = 0; j < heads; ++j) {
     const int64_t h = h0 + j / GN, g = g0 + j % GN;
-    for (int c = 0; c < ND; ++c)
-      _mm512_storeu_ps(out + (h * G + g) * D + c * 16,
-                       _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + c * 16), _mm512_set1_ps(inv[j])));
+    float* o = out + (h * G + g) * D;
+    for (int64_t i = 0; i < D; ++i) o[row_dim<T>(i)] = acc[j * D + i] * inv[j];
   }
 }
 #endif

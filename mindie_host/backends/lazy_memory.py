@@ -24,7 +24,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < LAZY_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buffer = mmap.mmap(-1, nbytes)  # private anonymous map: kernel-zeroed pages on first touch
+    # A private anonymous map: kernel-zeroed pages on first touch. (Python's default for -1 is a *shared* anonymous
+    # map, which Linux backs with shmem: a 64-sequence decode step read its KV cache 25% slower from one.)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the map alive
 
 
