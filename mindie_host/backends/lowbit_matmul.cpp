@@ -16,6 +16,7 @@
 // Built on first use by mindie_host/backends/cpu_matmul.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -174,6 +175,26 @@ bool available() {
 #endif
 }
 
+#if defined(MINDIE_LOWBIT_KERNEL)
+// The sum of n bfloat16 values: 16 lanes at a time, then the lanes, then the tail (a fixed order for a given n).
+inline float group_sum(const uint16_t* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  for (; k < n; ++k) {
+    const uint32_t bits = static_cast<uint32_t>(x[k]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    s += f;
+  }
+  return s;
+}
+#endif
+
 // x: [M, K] bfloat16; codes: [NT, K/2, 32] uint8 (4-bit: two codes a byte) or [NT, K/2, 64] int8 (8-bit);
 // scale, offset: [NT, K/gs, 32] float32 -> [M, N] float32.
 torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
@@ -192,21 +213,14 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
 #if defined(MINDIE_LOWBIT_KERNEL)
   const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  // each row's sum over each group (the offsets' term), in a fixed order
+  // each row's sum over each group (the offsets' term): per row, in an order fixed by the group size (rows
+  // split over threads once there are enough of them)
   std::vector<float> xsum(M * G);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-        uint32_t bits = static_cast<uint32_t>(xb[m * K + k]) << 16;
-        float f;
-        std::memcpy(&f, &bits, sizeof(f));
-        s += f;
-      }
-      xsum[m * G + g] = s;
-    }
-  }
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) xsum[m * G + g] = group_sum(xb + m * K + g * group_size, group_size);
+  });
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const int64_t tile_bytes = P * codes.size(2);
   const float* sp = scale.data_ptr<float>();
