@@ -12,7 +12,8 @@ distribution is compared with the fp32 reference's.
 Variants: fp32 (``quantization: none``, the reference), ``auto`` (the GGUF file's own
 4/8-bit path, with prompt rows in bfloat16 as served by default, and with them through the low-bit
 kernel too), w8a16 and w8a8 quantized at load (no calibration), w8a16 and w8a8 checkpoints
-written by ``mindie-host quantize`` (w8a8 calibrated and smoothed), and ``kvCacheDtype: int8``.
+written by ``mindie-host quantize`` (w8a8 calibrated and smoothed), and ``kvCacheDtype: int8``, and
+the GGUF path with a bf16 KV cache (the benchmark config: prompt attention with bf16 products).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("GGUF path (quantization: auto; prompt rows bf16, the default)", model, {"quantization": "auto"}),
                 ("GGUF path, prompt rows through the low-bit kernel (MINDIE_HOST_PROMPT_BF16=0)", model,
                  {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_BF16": "0"}}),
+                ("GGUF path with a bf16 KV cache (bench/configs/peers.json)", model,
+                 {"quantization": "auto", "kv_cache_dtype": "bfloat16"}),
             ]
         for label, path, kw in variants:
             if args.only and args.only not in label:

@@ -12,7 +12,10 @@
 // sums, no transposed keys); the order of every reduction is fixed by the shapes alone, so the result is the same
 // whichever thread runs a task.
 //
-// Both compute in float32. Built on first use by mindie_host/backends/cpu_attention.py (torch.utils.cpp_extension).
+// Decode attention computes in float32. Prompt attention does too over a float32 cache; over a bfloat16 cache (on
+// CPUs with AVX512-BF16) its two products take bf16 operands with float32 sums, as flash attention does on bf16
+// inputs (bench/PERF.md: no measurable change in perplexity or agreement with the float32 model).
+// Built on first use by mindie_host/backends/cpu_attention.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -365,6 +368,29 @@ inline void group_scores(const float* qt, const float* kf, __m512* s) {
   }
 }
 
+// The online softmax of a lane group over one block of KB keys (scores s): key k0 + j is seen by the lanes at
+// or after it (lane positions pv). Updates the group's running maximum and sum (at mx, sum), writes each key's
+// numerator to e (zero where unseen) and returns the factor the earlier numerators are rescaled by.
+inline __m512 block_softmax(__m512 pv, int64_t k0, int64_t count, const __m512* s, float* mx, float* sum,
+                            __m512* e) {
+  __mmask16 seen[KB];
+  __m512 bmax = _mm512_set1_ps(-FLT_MAX);
+  for (int j = 0; j < KB; ++j) {
+    seen[j] = j < count ? _mm512_cmp_ps_mask(pv, _mm512_set1_ps(static_cast<float>(k0 + j)), _CMP_GE_OQ) : 0;
+    bmax = _mm512_mask_max_ps(bmax, seen[j], bmax, s[j]);
+  }
+  const __m512 m_old = _mm512_loadu_ps(mx), m_new = _mm512_max_ps(m_old, bmax);
+  const __m512 alpha = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+  __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum), alpha);
+  for (int j = 0; j < KB; ++j) {
+    e[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(s[j], m_new)));
+    total = _mm512_add_ps(total, e[j]);
+  }
+  _mm512_storeu_ps(mx, m_new);
+  _mm512_storeu_ps(sum, total);
+  return alpha;
+}
+
 // ot[d] = ot[d] * alpha + sum_j pt[j] * vf[j][d] for every dim d, each lane its own query vector (ot: [D][16]).
 template <int ND>
 inline void group_values(const float* pt, const float* vf, int64_t count, __m512 alpha, float* ot) {
@@ -431,22 +457,9 @@ void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, i
       if (_mm512_reduce_max_ps(pv) < static_cast<float>(k0)) continue;  // no row of the group sees this block
       __m512 s[KB];
       group_scores<ND>(qt + gr * D * L, kf, s);
-      __mmask16 seen[KB];
-      __m512 bmax = _mm512_set1_ps(-FLT_MAX);
-      for (int j = 0; j < KB; ++j) {  // key k0 + j is seen by the lanes at or after it
-        seen[j] = j < count ? _mm512_cmp_ps_mask(pv, _mm512_set1_ps(static_cast<float>(k0 + j)), _CMP_GE_OQ) : 0;
-        bmax = _mm512_mask_max_ps(bmax, seen[j], bmax, s[j]);
-      }
-      const __m512 m_old = _mm512_loadu_ps(mx + gr * L), m_new = _mm512_max_ps(m_old, bmax);
-      const __m512 alpha = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
-      __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum + gr * L), alpha);
-      for (int j = 0; j < KB; ++j) {
-        const __m512 e = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(s[j], m_new)));
-        total = _mm512_add_ps(total, e);
-        _mm512_storeu_ps(pt + j * L, e);
-      }
-      _mm512_storeu_ps(mx + gr * L, m_new);
-      _mm512_storeu_ps(sum + gr * L, total);
+      __m512 e[KB];
+      const __m512 alpha = block_softmax(pv, k0, count, s, mx + gr * L, sum + gr * L, e);
+      for (int j = 0; j < KB; ++j) _mm512_storeu_ps(pt + j * L, e[j]);
       group_values<ND>(pt, vf, count, alpha, ot + gr * D * L);
     }
   }
@@ -457,6 +470,108 @@ void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, i
     for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
   }
 }
+
+#if defined(__AVX512BF16__)
+// The bfloat16-cache variant of prompt_task: the same walk, masks and float32 softmax, but both products are
+// AVX512-BF16 pair dot products accumulated in float32, as flash attention runs on bf16 inputs. Scores take the
+// scaled queries rounded to bfloat16 (pairs of dims per lane) against K rows read in place (a pair of dims is
+// one 32-bit word, broadcast); the weighted sum takes the softmax numerators rounded to bfloat16 (pairs of keys
+// per lane) against each block's V rows interleaved by key pairs. Half the instructions of the float32 path,
+// and no conversion of keys. The running sums stay those of the float32 numerators.
+template <int ND>
+void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n,
+                      int64_t ctx, int64_t H, int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out,
+                      std::vector<float>& buf) {
+  constexpr int64_t D = 16 * ND, DP = D / 2, KP = KB / 2;
+  const int64_t G = H / KV, nv = (r1 - r0) * G, groups = (nv + L - 1) / L;
+  buf.resize(groups * DP * L + groups * D * L + groups * L * 3 + KP * D + KP * L);
+  uint32_t* qp = reinterpret_cast<uint32_t*>(buf.data());                  // [groups][DP][16] query dim pairs
+  float* ot = buf.data() + groups * DP * L;                                 // [groups][D][16] running sums of values
+  float* mx = ot + groups * D * L;                                          // [groups][16] running maximum
+  float* sum = mx + groups * L;                                             // [groups][16] running sum
+  float* pos = sum + groups * L;                                            // [groups][16] each lane's position
+  uint32_t* vp = reinterpret_cast<uint32_t*>(pos + groups * L);             // [KP][D] V rows paired by key
+  uint32_t* pp = vp + KP * D;                                               // [KP][16] numerators paired by key
+  const int64_t first = ctx - n;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t i = 0; i < groups * L; ++i) {
+    const int64_t iv = std::min(i, nv - 1);
+    const int64_t r = r0 + iv / G, g = iv % G;
+    const float* qr = q + (r * H + h * G + g) * D;
+    for (int64_t d = 0; d < DP; ++d) {
+      const __m128bh two = _mm_cvtneps_pbh(_mm_set_ps(0.f, 0.f, qr[2 * d + 1] * scale, qr[2 * d] * scale));
+      uint32_t word;
+      std::memcpy(&word, &two, sizeof(word));
+      qp[(i / L) * DP * L + d * L + i % L] = word;
+    }
+    pos[i] = static_cast<float>(first + r);
+    mx[i] = -FLT_MAX;
+    sum[i] = 0.f;
+  }
+  std::memset(ot, 0, groups * D * L * sizeof(float));
+  const int64_t last_key = first + r1 - 1;
+  for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {
+    const int64_t count = std::min(KB, last_key + 1 - k0);
+    const uint16_t* krow[KB];
+    for (int64_t j = 0; j < KB; ++j) krow[j] = kb + (slots[k0 + std::min(j, count - 1)] * KV + h) * D;
+    for (int64_t jp = 0; jp < KP; ++jp) {  // V rows 2jp and 2jp + 1 interleaved: (v[2jp][d], v[2jp+1][d]) per d
+      const int64_t j0 = 2 * jp, j1 = 2 * jp + 1;
+      for (int c = 0; c < ND; ++c) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        if (j0 < count)
+          lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(vb + (slots[k0 + j0] * KV + h) * D + c * 16)));
+        if (j1 < count)
+          hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(vb + (slots[k0 + j1] * KV + h) * D + c * 16)));
+        _mm512_storeu_si512(vp + jp * D + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    for (int64_t gr = 0; gr < groups; ++gr) {
+      const __m512 pv = _mm512_loadu_ps(pos + gr * L);
+      if (_mm512_reduce_max_ps(pv) < static_cast<float>(k0)) continue;
+      __m512 s[KB];
+      for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+      const uint32_t* qg = qp + gr * DP * L;
+      for (int64_t d = 0; d < DP; ++d) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(qg + d * L);
+        for (int j = 0; j < KB; ++j) {
+          uint32_t word;
+          std::memcpy(&word, krow[j] + 2 * d, sizeof(word));
+          s[j] = _mm512_dpbf16_ps(s[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(word)));
+        }
+      }
+      __m512 e[KB];
+      const __m512 alpha = block_softmax(pv, k0, count, s, mx + gr * L, sum + gr * L, e);
+      for (int jp = 0; jp < KP; ++jp) {  // numerators of keys 2jp and 2jp + 1 as a bf16 pair per lane
+        const __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[2 * jp]));
+        const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[2 * jp + 1]));
+        _mm512_storeu_si512(pp + jp * L, _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+      }
+      float* og = ot + gr * D * L;
+      __m512bh pj[KP];
+      for (int jp = 0; jp < KP; ++jp) pj[jp] = (__m512bh)_mm512_loadu_si512(pp + jp * L);
+      for (int c = 0; c < ND; ++c) {
+        __m512 o[16];
+        for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(og + (c * 16 + e) * L), alpha);
+        for (int jp = 0; jp < KP; ++jp) {
+          const uint32_t* vr = vp + jp * D + c * 16;
+          for (int e = 0; e < 16; ++e)
+            o[e] = _mm512_dpbf16_ps(o[e], pj[jp], (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[e])));
+        }
+        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(og + (c * 16 + e) * L, o[e]);
+      }
+    }
+  }
+  for (int64_t iv = 0; iv < nv; ++iv) {
+    const int64_t r = r0 + iv / G, g = iv % G, gr = iv / L, lane = iv % L;
+    const float inv = 1.f / sum[gr * L + lane];
+    float* o = out + (r * H + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
+  }
+}
+#endif
 
 constexpr int64_t QB = 16;  // query rows per prompt-attention task
 
@@ -472,6 +587,15 @@ void prompt_run(const float* q, const T* k, const T* v, const int64_t* slots, in
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t b = blocks - 1 - t / KV, h = t % KV;
       const int64_t r0 = b * QB, r1 = std::min(n, r0 + QB);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (D == 64)
+          prompt_task_bf16<4>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+        else
+          prompt_task_bf16<8>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+        continue;
+      }
+#endif
       if (D == 64)
         prompt_task<T, 4>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
       else

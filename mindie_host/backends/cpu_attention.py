@@ -63,7 +63,8 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     ``q``: ``[n, H, D]`` (row ``r`` is the token at position ``ctx - n + r`` and sees keys ``0 .. ctx - n + r``);
     caches ``[slots, KV, D]`` (bfloat16 or float32, contiguous), already holding the new tokens' K and V;
-    ``slots``: ``[ctx]`` int64 cache slots of the context in order. Returns ``[n, H, D]`` float32.
+    ``slots``: ``[ctx]`` int64 cache slots of the context in order. Returns ``[n, H, D]`` float32. Over a
+    bfloat16 cache on a CPU with AVX512-BF16, its products take bf16 operands with float32 sums.
     """
     mod = kernel()
     if mod is None or not readable(k_cache) or not mod.prompt_attention_supported(q.shape[-1]):
