@@ -71,3 +71,37 @@ def test_the_kernel_is_a_torch_operator_that_compiles() -> None:
     x = torch.randn(8, 64).bfloat16()
     compiled = torch.compile(lambda t: weight.small_product(t) * 2, fullgraph=True)
     assert torch.equal(compiled(x), weight.small_product(x) * 2)
+
+
+@pytest.mark.parametrize("width", [1536, 40])  # vector lanes only, and a tail of scalar elements
+def test_silu_mul_rounds_the_float32_activation_once(width: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(37, 2 * width, generator=g) * 4).bfloat16()
+    got = cpu_matmul.silu_mul(gate_up)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (37, width)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    # one rounding of a float32 result a few ulps from torch's: within one bf16 step of the exact value
+    assert bool(((got.float() - exact).abs() <= exact.abs() * 2**-7 + 1e-30).all())
+    alone = cpu_matmul.silu_mul(gate_up[5:6])
+    assert alone is not None and torch.equal(alone[0], got[5])
+
+
+def test_a_gated_mlp_keeps_prompt_rows_in_bf16_and_generated_rows_as_the_two_products_give_them() -> None:
+    from mindie_host.backends.linear import PromptRows, apply_linear, bf16_gated_mlp
+
+    gate_up = FourBitWeight(four_bit(2 * 96, 64, seed=4), dense=None)
+    down = FourBitWeight(four_bit(64, 96, seed=5), dense=None)
+    gate_up.keep_prompt_copy(torch.from_numpy(four_bit(2 * 96, 64, seed=4).dequantize()))
+    down.keep_prompt_copy(torch.from_numpy(four_bit(64, 96, seed=5).dequantize()))
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(6))
+    rows = PromptRows(torch.tensor([False] * 2 + [True] * 9 + [False]))  # a decode, a 9-token chunk, a decode
+    got = bf16_gated_mlp(x, gate_up, down, rows)
+    assert got is not None and got.dtype == torch.float32
+    gate, up = apply_linear(gate_up, x, None, rows).chunk(2, dim=-1)
+    two_products = apply_linear(down, torch.nn.functional.silu(gate) * up, None, rows)
+    generated = [0, 1, 11]
+    assert torch.equal(got[generated], two_products[generated])  # the same bits as before for generated tokens
+    torch.testing.assert_close(got[2:11], two_products[2:11], rtol=2e-2, atol=2e-2)  # bf16 throughout
+    alone = bf16_gated_mlp(x[2:11], gate_up, down, PromptRows(torch.ones(9, dtype=torch.bool)))
+    assert alone is not None and torch.equal(alone, got[2:11])  # a prompt row alone or beside decodes

@@ -45,6 +45,14 @@ def loaded() -> bool:
     return _EXTENSION.module is not None
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` in bfloat16 from a gated MLP's bfloat16 ``[M, 2I]`` ``[gate | up]`` product, with
+    float32 arithmetic and one rounding per element; None until the kernel is built."""
+    if _EXTENSION.module is None:
+        return None
+    return _EXTENSION.module.silu_mul(gate_up.contiguous())
+
+
 def _tiles(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` padded to whole tiles of output rows, as ``[N / 32, 32, ...]``."""
     pad = -t.shape[0] % TILE

@@ -118,6 +118,33 @@ def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None,
     return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
 
 
+def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None) -> torch.Tensor | None:
+    """``down(silu(gate) * up)`` of a step with prompt rows, for low-bit matrices with bfloat16 copies; None
+    where that does not apply (no prompt rows, other weight formats, no kernel), for the caller's two products.
+
+    The prompt rows stay in bfloat16 from the gate/up product to the down product's input (the activation is
+    one pass of this package's kernel, float32 arithmetic and one rounding, as the down product's bf16 input
+    always had), instead of a float32 round trip of the layer's widest tensor. Generated rows are multiplied
+    exactly as :meth:`LowBitWeight.__call__` multiplies them, so a generated token's bits do not depend on what
+    shares its step.
+    """
+    if (prompt_rows is None or x.dim() != 2 or not isinstance(gate_up, LowBitWeight)
+            or not isinstance(down, LowBitWeight) or gate_up.dense is not None or down.dense is not None
+            or gate_up.prompt_weight is None or down.prompt_weight is None or not cpu_matmul.loaded()):
+        return None
+    prompt = x if prompt_rows.all else x[prompt_rows.prompt_rows]
+    act = cpu_matmul.silu_mul(F.linear(prompt.to(torch.bfloat16), gate_up.prompt_weight))
+    assert act is not None
+    out_prompt = F.linear(act, down.prompt_weight)
+    if prompt_rows.all:
+        return out_prompt.to(x.dtype)
+    out = x.new_empty(x.shape[0], down.shape[0])
+    out[prompt_rows.prompt_rows] = out_prompt
+    gate, up = gate_up.small_product(x[prompt_rows.generated_rows].to(torch.bfloat16)).chunk(2, dim=-1)
+    out[prompt_rows.generated_rows] = down.small_product((F.silu(gate) * up).to(torch.bfloat16))
+    return out
+
+
 class PackedWeight:
     """An fp32 weight plus MKL-packed copies for batch-size buckets.
 

@@ -13,10 +13,12 @@
 // Work is split by tiles of 32 output columns. Each tile's codes are unpacked once into a
 // bfloat16 buffer (pairs of consecutive k per column, the layout VDPBF16PS takes), then every
 // block of up to 6 rows streams over it: one product of many rows reads the weights once.
+// silu_mul: the gated MLP's activation between the prompt rows' two bfloat16 products (linear.bf16_gated_mlp).
 // Built on first use by mindie_host/backends/cpu_matmul.py (torch.utils.cpp_extension).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -24,6 +26,7 @@
 #include <immintrin.h>
 #define MINDIE_LOWBIT_KERNEL 1
 #endif
+#include "vector_math.h"
 
 namespace {
 
@@ -176,13 +179,18 @@ bool available() {
 }
 
 #if defined(MINDIE_LOWBIT_KERNEL)
+// 16 bfloat16 values as float32
+inline __m512 bf16x16(const void* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // The sum of n bfloat16 values: 16 lanes at a time, then the lanes, then the tail (a fixed order for a given n).
 inline float group_sum(const uint16_t* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    acc = _mm512_add_ps(acc, bf16x16(x + k));
   }
   float s = _mm512_reduce_add_ps(acc);
   for (; k < n; ++k) {
@@ -265,6 +273,41 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   return out;
 }
 
+// silu(gate) * up for the rows of a gated MLP, from its gate/up product's bfloat16 output [M, 2I] ([gate | up])
+// to the bfloat16 input of its down product [M, I]: float32 arithmetic, one rounding, each element on its own
+// (so a row's result does not depend on the others).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0, "gate_up: [M, 2I] bfloat16");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({M, I}, gate_up.options());
+  const at::BFloat16* src = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const at::BFloat16* g = src + m * 2 * I;
+      const at::BFloat16* u = g + I;
+      at::BFloat16* o = dst + m * I;
+      int64_t i = 0;
+#if defined(MINDIE_LOWBIT_KERNEL)
+      for (; i + 16 <= I; i += 16) {  // x * sigmoid(x) * u, sigmoid from e^-|x| (never overflows)
+        const __m512 x = bf16x16(g + i), up = bf16x16(u + i);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(x, sig), up)));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        o[i] = static_cast<at::BFloat16>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
 // As a torch operator too, for compiled graphs to call without going through Python.
 TORCH_LIBRARY_FRAGMENT(mindie_host_cpu, m) {
   m.def("lowbit_matmul(Tensor x, Tensor codes, Tensor scale, Tensor offset, int n, int group_size) -> Tensor");
@@ -274,4 +317,5 @@ TORCH_LIBRARY_IMPL(mindie_host_cpu, CPU, m) { m.impl("lowbit_matmul", &lowbit_ma
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
   m.def("lowbit_matmul", &lowbit_matmul);
+  m.def("silu_mul", &silu_mul);
 }

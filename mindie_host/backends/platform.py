@@ -27,6 +27,7 @@ from .linear import (
     PromptRows,
     apply_linear,
     batch_invariant,
+    bf16_gated_mlp,
     low_bit_kernels_available,
     mkl_packing_available,
     prompt_bf16_enabled,
@@ -148,6 +149,16 @@ class Platform:
         a platform may multiply those differently, as long as each row's result does not depend on the others.
         """
         return apply_linear(weight, x, bias, prompt_rows)
+
+    def gated_mlp(self, x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        """``down(silu(gate) * up)`` for weights made by :meth:`prepare_linear`, ``gate_up`` giving ``[gate | up]``:
+        a gated MLP without biases. Prompt rows of low-bit matrices stay in bfloat16 throughout
+        (:func:`~mindie_host.backends.linear.bf16_gated_mlp`); otherwise two :meth:`linear` products."""
+        fused = bf16_gated_mlp(x, gate_up, down, prompt_rows)
+        if fused is not None:
+            return fused
+        gate, up = self.linear(x, gate_up, prompt_rows=prompt_rows).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, down, prompt_rows=prompt_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension."""

@@ -422,14 +422,13 @@ class TorchLlama:
                 o = self.tp.all_reduce(o)
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
-            gu = plat.linear(h, layer.gate_up, prompt_rows=prompt_rows)
-            if deltas is not None:
-                gu = deltas.apply("gate_up", li, h, gu)
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            d = plat.linear(act, layer.down, prompt_rows=prompt_rows)
-            if deltas is not None:
-                d = deltas.apply("down", li, act, d)
+            if deltas is None:
+                d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows)
+            else:  # adapters add to each product's output, so the products run one by one
+                gu = deltas.apply("gate_up", li, h, plat.linear(h, layer.gate_up, prompt_rows=prompt_rows))
+                gate, up = gu.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                d = deltas.apply("down", li, act, plat.linear(act, layer.down, prompt_rows=prompt_rows))
             if self.tp is not None:
                 d = self.tp.all_reduce(d)
             x = x + d
