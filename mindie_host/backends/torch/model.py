@@ -424,7 +424,7 @@ class TorchLlama:
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
             if deltas is None:
                 d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows)
-            else:  # adapters add to each product's output, so the products run one by one
+            else:  # linear deltas add to each product's output, so the products run one by one
                 gu = deltas.apply("gate_up", li, h, plat.linear(h, layer.gate_up, prompt_rows=prompt_rows))
                 gate, up = gu.chunk(2, dim=-1)
                 act = F.silu(gate) * up
