@@ -105,3 +105,27 @@ def test_a_gated_mlp_keeps_prompt_rows_in_bf16_and_generated_rows_as_the_two_pro
     torch.testing.assert_close(got[2:11], two_products[2:11], rtol=2e-2, atol=2e-2)  # bf16 throughout
     alone = bf16_gated_mlp(x[2:11], gate_up, down, PromptRows(torch.ones(9, dtype=torch.bool)))
     assert alone is not None and torch.equal(alone, got[2:11])  # a prompt row alone or beside decodes
+
+
+def test_adding_to_a_gated_mlps_products_leaves_the_other_rows_bits_alone() -> None:
+    """Per-row linear deltas run the two products one by one; the rows they do not touch keep the fused path's bits."""
+    from mindie_host.backends.linear import PromptRows
+    from mindie_host.backends.platform import Platform
+
+    groups_gu, groups_down = four_bit(2 * 96, 64, seed=7), four_bit(64, 96, seed=8)
+    gate_up, down = FourBitWeight(groups_gu, dense=None), FourBitWeight(groups_down, dense=None)
+    gate_up.keep_prompt_copy(torch.from_numpy(groups_gu.dequantize()))
+    down.keep_prompt_copy(torch.from_numpy(groups_down.dequantize()))
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
+    rows = PromptRows(torch.tensor([False] + [True] * 10 + [False]))
+
+    def add(name: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[4] += 0.5  # one prompt row's delta
+        return out
+
+    plain = Platform().gated_mlp(x, gate_up, down, rows)
+    with_add = Platform().gated_mlp(x, gate_up, down, rows, add)
+    others = [i for i in range(12) if i != 4]
+    assert torch.equal(with_add[others], plain[others])
+    assert not torch.equal(with_add[4], plain[4])

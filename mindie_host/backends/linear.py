@@ -118,6 +118,13 @@ def apply_linear(weight: Any, x: torch.Tensor, bias: torch.Tensor | None = None,
     return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
 
 
+def _bf16_gated(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None) -> bool:
+    """Whether a gated MLP's prompt rows stay in bfloat16 between its two products (see :func:`bf16_gated_mlp`)."""
+    return (prompt_rows is not None and x.dim() == 2 and isinstance(gate_up, LowBitWeight)
+            and isinstance(down, LowBitWeight) and gate_up.dense is None and down.dense is None
+            and gate_up.prompt_weight is not None and down.prompt_weight is not None and cpu_matmul.loaded())
+
+
 def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None) -> torch.Tensor | None:
     """``down(silu(gate) * up)`` of a step with prompt rows, for low-bit matrices with bfloat16 copies; None
     where that does not apply (no prompt rows, other weight formats, no kernel), for the caller's two products.
@@ -128,10 +135,9 @@ def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: Prompt
     exactly as :meth:`LowBitWeight.__call__` multiplies them, so a generated token's bits do not depend on what
     shares its step.
     """
-    if (prompt_rows is None or x.dim() != 2 or not isinstance(gate_up, LowBitWeight)
-            or not isinstance(down, LowBitWeight) or gate_up.dense is not None or down.dense is not None
-            or gate_up.prompt_weight is None or down.prompt_weight is None or not cpu_matmul.loaded()):
+    if not _bf16_gated(x, gate_up, down, prompt_rows):
         return None
+    assert prompt_rows is not None
     prompt = x if prompt_rows.all else x[prompt_rows.prompt_rows]
     act = cpu_matmul.silu_mul(F.linear(prompt.to(torch.bfloat16), gate_up.prompt_weight))
     assert act is not None
@@ -143,6 +149,22 @@ def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: Prompt
     gate, up = gate_up.small_product(x[prompt_rows.generated_rows].to(torch.bfloat16)).chunk(2, dim=-1)
     out[prompt_rows.generated_rows] = down.small_product((F.silu(gate) * up).to(torch.bfloat16))
     return out
+
+
+def gated_activation(gu: torch.Tensor, x: torch.Tensor, gate_up: Any, down: Any,
+                     prompt_rows: PromptRows | None) -> torch.Tensor:
+    """``silu(gate) * up`` of a gate/up product ``gu`` of ``x``, for a caller that runs the two products itself
+    (to add to their outputs): prompt rows rounded as :func:`bf16_gated_mlp` rounds them, so a row whose
+    products nothing changed gets the bits it gets there."""
+    gate, up = gu.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if _bf16_gated(x, gate_up, down, prompt_rows):
+        assert prompt_rows is not None
+        rows = slice(None) if prompt_rows.all else prompt_rows.prompt_rows
+        prompt_act = cpu_matmul.silu_mul(gu[rows].to(torch.bfloat16))
+        assert prompt_act is not None
+        act[rows] = prompt_act.to(act.dtype)
+    return act
 
 
 class PackedWeight:

@@ -28,12 +28,15 @@ from .linear import (
     apply_linear,
     batch_invariant,
     bf16_gated_mlp,
+    gated_activation,
     low_bit_kernels_available,
     mkl_packing_available,
     prompt_bf16_enabled,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..models.weights import FourBitGroups
     from .base import ModelInput
 
@@ -150,15 +153,24 @@ class Platform:
         """
         return apply_linear(weight, x, bias, prompt_rows)
 
-    def gated_mlp(self, x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+    def gated_mlp(self, x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None = None,
+                  add: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """``down(silu(gate) * up)`` for weights made by :meth:`prepare_linear`, ``gate_up`` giving ``[gate | up]``:
         a gated MLP without biases. Prompt rows of low-bit matrices stay in bfloat16 throughout
-        (:func:`~mindie_host.backends.linear.bf16_gated_mlp`); otherwise two :meth:`linear` products."""
-        fused = bf16_gated_mlp(x, gate_up, down, prompt_rows)
+        (:func:`~mindie_host.backends.linear.bf16_gated_mlp`); otherwise two :meth:`linear` products.
+
+        ``add(name, input, output)`` (``name`` ``"gate_up"`` or ``"down"``), when given, returns a product's output
+        with something added to it (per-row linear deltas); rows it leaves alone keep the bits they get without it.
+        """
+        fused = None if add is not None else bf16_gated_mlp(x, gate_up, down, prompt_rows)
         if fused is not None:
             return fused
-        gate, up = self.linear(x, gate_up, prompt_rows=prompt_rows).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, down, prompt_rows=prompt_rows)
+        gu = self.linear(x, gate_up, prompt_rows=prompt_rows)
+        if add is not None:
+            gu = add("gate_up", x, gu)
+        act = gated_activation(gu, x, gate_up, down, prompt_rows)
+        d = self.linear(act, down, prompt_rows=prompt_rows)
+        return d if add is None else add("down", act, d)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension."""

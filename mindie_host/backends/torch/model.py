@@ -8,6 +8,7 @@ Operators that a platform may fuse go through :class:`~mindie_host.backends.plat
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,12 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Any
     down: Any
+
+
+def _add_deltas(deltas: LinearDeltas, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``deltas.apply`` at ``layer``, as :meth:`Platform.gated_mlp <mindie_host.backends.platform.Platform.gated_mlp>`
+    calls its ``add``."""
+    return deltas.apply(name, layer, x, y)
 
 
 def rope_inv_freq(arch: LlamaArch, seq_len: int | None = None) -> torch.Tensor:
@@ -422,13 +429,8 @@ class TorchLlama:
                 o = self.tp.all_reduce(o)
             x = x + o
             h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
-            if deltas is None:
-                d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows)
-            else:  # linear deltas add to each product's output, so the products run one by one
-                gu = deltas.apply("gate_up", li, h, plat.linear(h, layer.gate_up, prompt_rows=prompt_rows))
-                gate, up = gu.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-                d = deltas.apply("down", li, act, plat.linear(act, layer.down, prompt_rows=prompt_rows))
+            add = None if deltas is None else functools.partial(_add_deltas, deltas, li)
+            d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows, add)
             if self.tp is not None:
                 d = self.tp.all_reduce(d)
             x = x + d
