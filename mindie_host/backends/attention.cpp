@@ -96,8 +96,8 @@ inline void prefetch_rows(const T* cache, const int64_t* idx, int64_t t0, int64_
 
 // A K or V row of head dim 16 * ND as ND float32 vectors, in the kernel's dim order: float32 rows as stored;
 // bfloat16 rows as each 32-dim chunk's even dims then its odd dims (one 64-byte load, one shift and one mask
-// for 32 values). Queries are put in the same order (to_row_order), so dot products pair the same dims, and
-// the values' accumulators are put back (from_row_order) when stored.
+// for 32 values). Queries are put in the same order (row_dim), so dot products pair the same dims, and the
+// values' accumulators are put back through row_dim when stored.
 template <int ND>
 inline void load_row(const float* row, __m512* out) {
   for (int c = 0; c < ND; ++c) out[c] = _mm512_loadu_ps(row + c * 16);
@@ -375,6 +375,18 @@ inline __m512 block_softmax(__m512 pv, int64_t k0, int64_t count, const __m512* 
   return alpha;
 }
 
+// A prompt task's outputs: each of its nv query vectors (rows from r0, G query heads of KV head h each) is its
+// lane's weighted sum of values (ot: [groups][D][16]) over its lane's running sum.
+inline void write_rows(const float* ot, const float* sum, int64_t nv, int64_t r0, int64_t G, int64_t H, int64_t h,
+                       int64_t D, float* out) {
+  for (int64_t iv = 0; iv < nv; ++iv) {
+    const int64_t r = r0 + iv / G, g = iv % G, gr = iv / L, lane = iv % L;
+    const float inv = 1.f / sum[gr * L + lane];
+    float* o = out + (r * H + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
+  }
+}
+
 // ot[d] = ot[d] * alpha + sum_j pt[j] * vf[j][d] for every dim d, each lane its own query vector (ot: [D][16]).
 template <int ND>
 inline void group_values(const float* pt, const float* vf, int64_t count, __m512 alpha, float* ot) {
@@ -447,12 +459,7 @@ void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, i
       group_values<ND>(pt, vf, count, alpha, ot + gr * D * L);
     }
   }
-  for (int64_t iv = 0; iv < nv; ++iv) {
-    const int64_t r = r0 + iv / G, g = iv % G, gr = iv / L, lane = iv % L;
-    const float inv = 1.f / sum[gr * L + lane];
-    float* o = out + (r * H + h * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
-  }
+  write_rows(ot, sum, nv, r0, G, H, h, D, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -548,12 +555,7 @@ void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16*
       }
     }
   }
-  for (int64_t iv = 0; iv < nv; ++iv) {
-    const int64_t r = r0 + iv / G, g = iv % G, gr = iv / L, lane = iv % L;
-    const float inv = 1.f / sum[gr * L + lane];
-    float* o = out + (r * H + h * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = ot[gr * D * L + d * L + lane] * inv;
-  }
+  write_rows(ot, sum, nv, r0, G, H, h, D, out);
 }
 #endif
 

@@ -48,9 +48,7 @@ def loaded() -> bool:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` in bfloat16 from a gated MLP's bfloat16 ``[M, 2I]`` ``[gate | up]`` product, with
     float32 arithmetic and one rounding per element; None until the kernel is built."""
-    if _EXTENSION.module is None:
-        return None
-    return _EXTENSION.module.silu_mul(gate_up.contiguous())
+    return _EXTENSION.module.silu_mul(gate_up.contiguous()) if loaded() else None
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
