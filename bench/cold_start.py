@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,17 +30,13 @@ from typing import Any
 
 import httpx
 
+from mindie_host.testing import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varied_load import make_prompts, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPILED = "now run compiled"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(check: Any, timeout: float) -> float | None:

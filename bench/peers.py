@@ -63,17 +63,11 @@ from typing import Any
 
 import httpx
 
+from mindie_host.testing import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = Path(os.environ.get("LOADGEN", ROOT.parent / "shared" / "peers" / "loadgen.py"))
 N_FOR_CONC = {1: 8, 16: 64, 64: 128}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 START_TIMEOUT = float(os.environ.get("PEERS_START_TIMEOUT", 600))

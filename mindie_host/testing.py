@@ -22,12 +22,24 @@ from typing import Any
 
 from .config import config_from_dict, default_config_dict
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
 
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """An unused TCP port on 127.0.0.1, never one this process was given before.
+
+    The kernel may hand a port that was just released out again, so ports picked one after another for the
+    servers of one cluster could collide before any of them listens; remembering them rules that out.
+    """
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 def make_tiny_llama(
