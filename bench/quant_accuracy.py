@@ -64,6 +64,7 @@ def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> 
     try:
         backend = TorchBackend(resolve_model(path), name="eval", dtype="float32", platform=Platform(), **backend_kw)
         backend.load()
+        backend.load_cpu_kernels()  # the C++ kernels the server builds at start-up: measure the path it serves
     finally:
         for k, v in saved.items():
             if v is None:

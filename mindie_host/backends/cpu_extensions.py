@@ -101,18 +101,20 @@ class CppExtension:
     ``-ffast-math`` (for kernels that allow the compiler to reorder their float operations).
     ``fakes`` maps each torch operator the file registers (``"namespace::name"``) to its output-shape
     function, registered once the module loads, so compiled graphs can trace the operator;
-    ``usable`` says whether a loaded module can run on this CPU (default: yes).
+    ``usable`` says whether a loaded module can run on this CPU (default: yes); ``extra_flags`` are more compiler
+    flags.
     """
 
     def __init__(self, name: str, source: str, what: str, fast_math: bool = False,
                  fakes: dict[str, Callable[..., Any]] | None = None,
-                 usable: Callable[[Any], bool] | None = None) -> None:
+                 usable: Callable[[Any], bool] | None = None, extra_flags: tuple[str, ...] = ()) -> None:
         self.name = name
         self.source = Path(__file__).with_name(source)
         self.what = what
         self.fast_math = fast_math
         self.fakes = fakes or {}
         self.usable = usable
+        self.extra_flags = list(extra_flags)
         #: the loaded module, once :meth:`get` has built it and found it usable (read it while tracing: it never builds)
         self.module: Any = None
         self._tried = False
@@ -142,6 +144,7 @@ class CppExtension:
         flags = ["-O3", "-march=native", "-fopenmp", f"-DMINDIE_HOST_HEADERS={headers_digest(self.source.parent)}"]
         if self.fast_math:
             flags.append("-ffast-math")
+        flags += self.extra_flags
         build_dir = build_root() / self.name
         with exclusive_build(build_dir):
             return load(name=self.name, sources=[str(self.source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_attention, cpu_layer_ops
 from .cpu_attention import decode_attention
 from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
@@ -173,14 +173,34 @@ class Platform:
         return d if add is None else add("down", act, d)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dimension."""
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        """RMSNorm over the last dimension (on CPU in one pass of :mod:`~mindie_host.backends.cpu_layer_ops`)."""
+        h = cpu_layer_ops.add_rms_norm(x, None, weight, eps)
+        return h if h is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + residual`` (``x`` itself when ``residual`` is None) and its RMSNorm: a decoder layer's residual add
+        and the norm after it. The sum may be written into ``x``'s storage: the caller must not use ``x`` after.
+
+        On CPU both are one pass of :mod:`~mindie_host.backends.cpu_layer_ops`, unless a subclass brings its own
+        :meth:`rms_norm`, which then serves.
+        """
+        if type(self).rms_norm is Platform.rms_norm:
+            h = cpu_layer_ops.add_rms_norm(x, residual, weight, eps)
+            if h is not None:
+                return x, h
+        if residual is not None:
+            x = x + residual
+        return x, self.rms_norm(x, weight, eps)
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply rotary embedding (HF's rotate-half convention). q: [T, H, D], k: [T, KV, D], cos/sin: [T, 1, D]."""
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        """Apply rotary embedding (HF's rotate-half convention). q: [T, H, D], k: [T, KV, D], cos/sin: [T, 1, D].
+
+        On CPU one pass of :mod:`~mindie_host.backends.cpu_layer_ops` (the same bits as torch's operators)."""
+        rotated = cpu_layer_ops.rope(q, k, cos, sin)
+        return rotated if rotated is not None else (_rope(q, cos, sin), _rope(k, cos, sin))
 
     def write_kv(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -17,7 +17,7 @@ from ...distributed.tensor_parallel import ShardedDeltas, TensorParallel, parall
 from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
-from .. import cpu_attention, cpu_matmul
+from .. import cpu_attention, cpu_layer_ops, cpu_matmul
 from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
@@ -328,10 +328,12 @@ class TorchBackend(ModelBackend):
 
     def load_cpu_kernels(self) -> None:
         """Build or load this package's C++ kernels on CPU (:mod:`~mindie_host.backends.cpu_extensions`): the
-        low-bit matrix product, and decode attention when decoding is batch-invariant."""
+        low-bit matrix product, the layers' elementwise steps, and decode attention when decoding is
+        batch-invariant."""
         if self.platform.device_type != "cpu":
             return
         cpu_matmul.kernel()
+        cpu_layer_ops.kernel()
         if batch_invariant():
             cpu_attention.kernel()
 

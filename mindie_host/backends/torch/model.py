@@ -409,8 +409,9 @@ class TorchLlama:
         if embeds is not None:  # e.g. image features at their placeholder tokens
             x[embeds[0]] = embeds[1].to(x.dtype)
         n = ids.shape[0]
+        mlp_out: torch.Tensor | None = None  # the last layer's MLP output, added to x by the next norm
         for li, layer in enumerate(self.layers):
-            h = plat.rms_norm(x, layer.input_norm, arch.rms_norm_eps)
+            x, h = plat.add_rms_norm(x, mlp_out, layer.input_norm, arch.rms_norm_eps)
             qkv = plat.linear(h, layer.qkv, layer.qkv_bias, prompt_rows)
             if deltas is not None:
                 qkv = deltas.apply("qkv", li, h, qkv)
@@ -427,11 +428,13 @@ class TorchLlama:
                 o = deltas.apply("o", li, attn, o)
             if self.tp is not None:  # row-parallel: each rank holds a partial sum
                 o = self.tp.all_reduce(o)
-            x = x + o
-            h = plat.rms_norm(x, layer.post_norm, arch.rms_norm_eps)
+            x, h = plat.add_rms_norm(x, o, layer.post_norm, arch.rms_norm_eps)
             add = None if deltas is None else functools.partial(_add_deltas, deltas, li)
             d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows, add)
             if self.tp is not None:
                 d = self.tp.all_reduce(d)
-            x = x + d
-        return plat.rms_norm(x.index_select(0, idx), self.final_norm, arch.rms_norm_eps)
+            mlp_out = d
+        x = x.index_select(0, idx)
+        if mlp_out is not None:  # the residual add of the rows asked for only
+            x = x + mlp_out.index_select(0, idx)
+        return plat.rms_norm(x, self.final_norm, arch.rms_norm_eps)
