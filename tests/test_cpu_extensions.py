@@ -105,6 +105,20 @@ def test_a_build_held_past_the_wait_falls_back_to_torch_with_a_warning(
     assert any("could not be built" in r.getMessage() and "held the build" in r.getMessage() for r in caplog.records)
 
 
+def test_kernels_built_side_by_side_all_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))  # what load_cpu_kernels does on a cold cache
+    extensions = [tiny_extension(tmp_path, f"mindie_test_side_by_side_{i}") for i in range(3)]
+    results: dict[int, object] = {}
+    workers = [threading.Thread(target=lambda i=i, e=e: results.__setitem__(i, e.get()), daemon=True)
+               for i, e in enumerate(extensions)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(300)
+    assert sorted(results) == [0, 1, 2]
+    assert all(module is not None and module.answer() == 42 for module in results.values())  # type: ignore[attr-defined]
+
+
 def test_a_changed_header_changes_the_build_flags(tmp_path: Path) -> None:
     (tmp_path / "vector_math.h").write_text("inline int f() { return 1; }\n")
     before = headers_digest(tmp_path)

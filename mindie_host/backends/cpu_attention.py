@@ -7,7 +7,7 @@ two thirds of a 64-sequence decode step. The kernel does every generated token o
 call, each (sequence, KV head) by one thread in a fixed order, reading the cache in place; its
 output for a sequence is the same whatever shares the step.
 
-It is built on first use (about 25 s, then cached: :mod:`~mindie_host.backends.cpu_extensions`);
+It is built on first use (about 20 s, then cached: :mod:`~mindie_host.backends.cpu_extensions`);
 without a compiler, or with ``MINDIE_HOST_CPU_KERNELS=0``, decode attention stays on torch's
 operators (logged once).
 

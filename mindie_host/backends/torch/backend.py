@@ -329,13 +329,20 @@ class TorchBackend(ModelBackend):
     def load_cpu_kernels(self) -> None:
         """Build or load this package's C++ kernels on CPU (:mod:`~mindie_host.backends.cpu_extensions`): the
         low-bit matrix product, the layers' elementwise steps, and decode attention when decoding is
-        batch-invariant."""
+        batch-invariant.
+
+        Each build is one compiler process on one core; on a cold cache they run side by side (one thread
+        each), so start-up waits for the longest build rather than the sum (bench/PERF.md, round 8).
+        """
         if self.platform.device_type != "cpu":
             return
-        cpu_matmul.kernel()
-        cpu_layer_ops.kernel()
-        if batch_invariant():
-            cpu_attention.kernel()
+        builds = [cpu_matmul.kernel, cpu_layer_ops.kernel] + ([cpu_attention.kernel] if batch_invariant() else [])
+        threads = [threading.Thread(target=build, name=f"mindie-host-kernel-{i}", daemon=True)
+                   for i, build in enumerate(builds)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def _compile_decode(self, model: TorchLlama) -> None:
         """Compile the decode step on a thread of its own, while the engine serves eager steps.
