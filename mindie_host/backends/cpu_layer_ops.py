@@ -45,7 +45,7 @@ def enabled() -> bool:
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return (_EXTENSION.module is not None and not torch.compiler.is_compiling()
+    return (loaded() and not torch.compiler.is_compiling()
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
 
 
@@ -70,8 +70,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     t, _, d = q.shape
     if cos.numel() != t * d or sin.numel() != t * d:
         return None
-    heads_contiguous = all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
-    if not heads_contiguous:
+    if not all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k)):  # each row's heads contiguous
         return None
     qo, ko = _EXTENSION.module.rope(q, k, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous())
     return qo, ko
