@@ -186,7 +186,7 @@ class Controller:
             self.coordinator_healthy = False
             return
         if resp.status_code != 200:
-            log.warning("the coordinator refused the refresh (%d)", resp.status_code)
+            log.warning("the coordinator refused the refresh (%d): %s", resp.status_code, resp.text[:500])
         self.coordinator_healthy = resp.status_code == 200
 
     def write_files(self) -> None:

@@ -14,7 +14,7 @@ Management port (``manage_ip:manage_port``, cluster-internal; spec §4.3):
 ``GET /v1/readiness``      200 when at least one instance is in rotation, else 503 (empty bodies)
 ``GET /v2/health/ready``   same as ``/v1/readiness``
 ``GET /v2/models/{m}/ready``  200 when an instance in rotation serves model ``m``, else 503
-``POST /v1/instances/refresh``  the controller's live set; 200 when valid, else 400 (empty bodies)
+``POST /v1/instances/refresh``  the controller's live set; 200 (empty body) when valid, else 400
 ``POST /v1/instances/offline``  ``{"ids":[...]}`` leave rotation; 200, 400 bad body, 503 not ready
 ``POST /v1/instances/online``   ``{"ids":[...]}`` back in rotation; same codes
 ``GET /v1/instances/tasks?id=1&id=2``  ``{"tasks":[n1, n2]}``: requests in flight per instance
@@ -22,6 +22,10 @@ Management port (``manage_ip:manage_port``, cluster-internal; spec §4.3):
 ``GET /v1/coordinator_info``  per-instance allocated slots and blocks, average request lengths
 ``GET /metrics``           Prometheus text aggregated over the instances (:mod:`.metrics`), 503 if none
 =========================  ==========================================================================
+
+Every 400 carries ``{"error": message}`` naming the problem (:mod:`..bodies`): the spec gives refresh
+errors an empty body, which tells the controller's operator nothing. Bodies are capped at
+``request_limit.body_limit`` as on the user port.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from fastapi.responses import Response
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from ..bodies import BodyError, decode_json, read_body, u64
 from ..process import run_component, stop_on_signals
 from .config import CoordinatorConfig
-from .instances import InstanceTable, RefreshError, parse_refresh
+from .instances import InstanceTable, parse_refresh
 from .limits import NOT_READY, Scheduler
 from .metrics import MetricsAggregator
 from .pd import DResultHub, PDForwarder
@@ -102,6 +107,10 @@ class Coordinator:
         handle = self.pd.handle if self.pd is not None else self.forwarder.handle
         return Starlette(routes=[Route("/{path:path}", handle, methods=USER_METHODS)])
 
+    async def _body(self, request: Request) -> Any:
+        """A management request's JSON body, within ``body_limit`` (:class:`BodyError` otherwise)."""
+        return decode_json(await read_body(request, self.config.body_limit_bytes))
+
     def manage_app(self) -> FastAPI:
         """The cluster-internal management app."""
         app = FastAPI(title="mindie-host coordinator management", docs_url=None, redoc_url=None, openapi_url=None)
@@ -134,10 +143,10 @@ class Coordinator:
         @app.post("/v1/instances/refresh")
         async def refresh(request: Request) -> Response:
             try:
-                ids, described = parse_refresh(await _body(request))
-            except RefreshError as exc:
+                ids, described = parse_refresh(await self._body(request))
+            except BodyError as exc:
                 log.warning("refresh refused: %s", exc)
-                return Response(status_code=400)
+                return _error(str(exc), 400)
             before = set(self.table.items)
             missing = self.table.apply_refresh(ids, described)
             for gone in before - set(self.table.items):
@@ -153,8 +162,8 @@ class Coordinator:
             if not self.table.refreshed:
                 return _error(NOT_READY, 503)
             try:
-                ids = _ids(await _body(request))
-            except RefreshError as exc:
+                ids = _ids(await self._body(request))
+            except BodyError as exc:
                 return _error(str(exc), 400)
             unknown = [i for i in ids if i not in self.table]
             if unknown:
@@ -179,7 +188,10 @@ class Coordinator:
         async def tasks(request: Request) -> Response:
             out = []
             for text in request.query_params.getlist("id"):
-                inst = self.table.get(int(text)) if text.isdigit() else None
+                try:
+                    inst = self.table.get(u64(text, "id"))
+                except BodyError as exc:
+                    return _error(str(exc), 400)
                 if inst is None:
                     return _error(f"id: unknown instance id {text!r}", 400)
                 out.append(inst.active)
@@ -187,17 +199,14 @@ class Coordinator:
 
         @app.post("/v1/instances/query_tasks")
         async def query_tasks(request: Request) -> Response:
-            body = await _body(request)
-            if not isinstance(body, dict):
-                return _error("the body must be {\"p_id\": u64, \"d_id\": u64}", 400)
-            active = 0
-            for key in ("p_id", "d_id"):
-                value = body.get(key)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    return _error(f"{key} must be a non-negative integer", 400)
-                inst = self.table.get(value)
-                active += inst.active if inst is not None else 0
-            return _json({"is_end": active == 0})
+            try:
+                body = await self._body(request)
+                if not isinstance(body, dict):
+                    raise BodyError("the body must be {\"p_id\": u64, \"d_id\": u64}")
+                instances = [self.table.get(u64(body.get(key), key)) for key in ("p_id", "d_id")]
+            except BodyError as exc:
+                return _error(str(exc), 400)
+            return _json({"is_end": sum(i.active for i in instances if i is not None) == 0})
 
         @app.get("/v1/coordinator_info")
         async def coordinator_info() -> Response:
@@ -218,21 +227,10 @@ class Coordinator:
         return app
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
 def _ids(body: Any) -> list[int]:
     if not isinstance(body, dict) or not isinstance(body.get("ids"), list):
-        raise RefreshError("ids: the body must be {\"ids\": [u64, ...]}")
-    ids = body["ids"]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise RefreshError("ids: every id must be a non-negative integer")
-    return ids
+        raise BodyError("ids: the body must be {\"ids\": [u64, ...]}")
+    return [u64(i, "ids[]") for i in body["ids"]]
 
 
 class _Server(uvicorn.Server):

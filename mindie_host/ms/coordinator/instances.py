@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bodies import BodyError
+
 READMIT_AFTER = 2.0
 ROLE_PREFILL = 80
 ROLE_DECODE = 68
@@ -26,7 +28,7 @@ ROLE_NONE = 85
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_NONE)
 
 
-class RefreshError(ValueError):
+class RefreshError(BodyError):
     """A refresh body that does not follow the spec; the message names the field."""
 
 
@@ -109,10 +111,11 @@ def _int(obj: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 2**64
     value = obj.get(key)
     if value is None and not required:
         return None
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise RefreshError(f"{where}.{key} must be an integer in [{lo}, {hi}], got {value!r}")
+        shown = value if not isinstance(value, (str, list, dict)) or len(value) <= 40 else type(value).__name__
+        raise RefreshError(f"{where}.{key} must be an integer in [{lo}, {hi}], got {shown!r}")
     return value
 
 
@@ -121,8 +124,9 @@ def parse_refresh(body: Any) -> tuple[list[int], dict[int, dict[str, Any]]]:
     if not isinstance(body, dict):
         raise RefreshError("the body must be a JSON object with 'ids' and 'instances'")
     ids = body.get("ids")
-    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise RefreshError("ids must be a list of non-negative integers")
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**64
+                                        for i in ids):
+        raise RefreshError("ids must be a list of unsigned 64-bit integers")
     items = body.get("instances")
     if not isinstance(items, list):
         raise RefreshError("instances must be a list of objects")
@@ -140,8 +144,8 @@ def parse_refresh(body: Any) -> tuple[list[int], dict[int, dict[str, Any]]]:
         port = _int(item, "port", where, 1024, 65535)
         metric_port = _int(item, "metric_port", where, 1024, 65535, required=False) or port
         name = item.get("model_name", "")
-        if not isinstance(name, str):
-            raise RefreshError(f"{where}.model_name must be a string")
+        if not isinstance(name, str) or len(name) > 4096:
+            raise RefreshError(f"{where}.model_name must be a string of at most 4096 characters")
         static = item.get("static_info", {})
         dynamic = item.get("dynamic_info", {})
         if not isinstance(static, dict) or not isinstance(dynamic, dict):
@@ -160,6 +164,10 @@ def parse_refresh(body: Any) -> tuple[list[int], dict[int, dict[str, Any]]]:
         dw = f"{where}.dynamic_info"
         _int(dynamic, "avail_slots_num", dw, required=False)
         _int(dynamic, "avail_block_num", dw, required=False)
+        peers = dynamic.get("peers", [])
+        if not isinstance(peers, list) or any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 2**64
+                                              for p in peers):
+            raise RefreshError(f"{dw}.peers must be a list of unsigned 64-bit instance ids")
         described[int(iid)] = {"ip": ip, "port": port, "metric_port": metric_port, "model_name": name,
                                "static": static, "dynamic": dynamic}
     unknown = [i for i in described if i not in ids]

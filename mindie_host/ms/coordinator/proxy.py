@@ -96,8 +96,8 @@ def request_info(path: str, body: bytes, routing_chat: bool) -> RequestInfo:
     if routing_chat and path == CHAT_PATH:
         try:
             info.own_key, info.history_key = conversation_keys(json.loads(body))
-        except (ValueError, UnicodeDecodeError):
-            pass  # not JSON: no conversation key, so it is routed like any request and the server answers the 4xx
+        except (ValueError, RecursionError):
+            pass  # not JSON (or nested too deeply): no conversation key; routed like any request, the server's 4xx
     return info
 
 
