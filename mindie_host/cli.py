@@ -21,6 +21,7 @@ from .config import (
     validate_config_file,
 )
 from .config_support import no_effect, unsupported
+from .file_modes import write_file
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import (
     PluginError,
@@ -31,6 +32,7 @@ from .plugins import (
     installed_plugins,
 )
 from .quant.cli import add_quantize_parser, cmd_quantize
+from .tools.config_upgrade import add_upgrade_parser, cmd_upgrade
 
 
 def config_path(args: argparse.Namespace) -> str | None:
@@ -110,6 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.config_cmd == "upgrade":
+        return cmd_upgrade(args)
     if args.config_cmd == "init":
         text = json.dumps(default_config_dict(), indent=4) + "\n"
         if args.output == "-":
@@ -119,7 +123,7 @@ def cmd_config(args: argparse.Namespace) -> int:
             if out.exists() and not args.force:
                 print(f"mindie-host: {out} exists (use --force to overwrite)", file=sys.stderr)
                 return 1
-            out.write_text(text)
+            write_file(out, text, 0o640)  # no group write, nothing for others: what the permission check wants
             print(f"wrote {out}")
         return 0
     problems = validate_config_file(args.file)
@@ -213,6 +217,7 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true")
     val = csub.add_parser("validate", help="check a config file")
     val.add_argument("file")
+    add_upgrade_parser(csub)
     pl = sub.add_parser("plugins", help="list installed and enabled plugins")
     pl.add_argument("--config", help="config.json whose enabled plugins to show")
     pl.add_argument("--json", action="store_true")
