@@ -4,6 +4,8 @@ route that the component's real app serves on the port it names."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from starlette.routing import Match
 
 from mindie_host.config import config_from_dict
 from mindie_host.ms.controller.app import controller_app
-from mindie_host.ms.controller.config import controller_config_from_dict
+from mindie_host.ms.controller.config import controller_config_from_dict, default_controller_dict
 from mindie_host.ms.controller.poller import Controller
 from mindie_host.ms.controller.ranktable import parse_topology
 from mindie_host.ms.coordinator.app import Coordinator
@@ -114,3 +116,96 @@ def test_every_probe_path_exists_on_its_component(apps):
                 assert _serves(app, get["path"]), f"{name} {kind}: {get['path']} is not a route on port {port}"
                 probes += 1
     assert probes == 8
+
+
+# -- PD disaggregation and its heterogeneous form (spec §3.6) ------------------------------------------------------
+PD = K8S / "pd"
+
+
+def pd_documents(*folders: Path) -> list[dict[str, Any]]:
+    docs = []
+    for folder in folders:
+        for path in sorted(folder.glob("*.yaml")):
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_pd_manifests_validate_and_their_configs_load():
+    docs = pd_documents(PD, PD / "heterogeneous")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    maps = {d["metadata"]["name"]: d["data"] for d in pd_documents(PD) if d["kind"] == "ConfigMap"}
+    server = config_from_dict(json.loads(maps["mindie-server-config"]["config.json"]))
+    assert server.server.inferMode == "dmi" and not server.server.interCommTLSEnabled
+    assert server.BackendConfig.npuDeviceIds == [[0]]
+    coord = coordinator_config_from_dict(json.loads(maps["mindie-ms-coordinator-config"]["ms_coordinator.json"]),
+                                         environ={})
+    assert (coord.deploy_mode, coord.scheduler_type, coord.algorithm_type) == ("pd_separate", "digs_scheduler",
+                                                                              "load_balance")
+    ctl = controller_config_from_dict(json.loads(maps["mindie-ms-controller-config"]["ms_controller.json"]),
+                                      environ={})
+    assert ctl.deploy_mode == "pd_separate" and not ctl.is_heterogeneous
+    (hetero,) = [d for d in pd_documents(PD / "heterogeneous") if d["kind"] == "ConfigMap"]
+    assert hetero["metadata"]["name"] == "mindie-ms-controller-config"  # replaces the homogeneous one when applied
+    assert controller_config_from_dict(json.loads(hetero["data"]["ms_controller.json"]), environ={}).is_heterogeneous
+    # every P/D pod asks for one NPU, as many as its config's devices, and exposes the P-to-D port
+    pd_server = next(d for d in pd_documents(PD) if d["kind"] == "Deployment")
+    container = pd_server["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"huawei.com/Ascend910": "1"}
+    assert {"name": "intercomm", "containerPort": server.server.interCommPort} in container["ports"]
+
+
+def test_heterogeneous_servers_split_p_and_d_by_node_label():
+    from mindie_host.ms.controller.roles import HARDWARE_ROLES
+
+    deployments = {d["metadata"]["name"]: d for d in pd_documents(PD / "heterogeneous") if d["kind"] == "Deployment"}
+    assert set(deployments) == {"mindie-server", "mindie-server-heterogeneous"}
+    roles, selectors = {}, []
+    for dep in deployments.values():
+        template = dep["spec"]["template"]
+        selector = dep["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items()
+        selectors.append(selector)
+        label = template["spec"]["nodeSelector"]["hardware-type"]
+        assert " " not in label and label == selector["hardware-type"]
+        roles[label] = HARDWARE_ROLES[template["metadata"]["annotations"]["mindie-host.io/hardware-type"]]
+    assert roles == {"800IA2-32G": "prefill", "800IA2-64G": "decode"}
+    assert selectors[0] != selectors[1]  # two Deployments never claim each other's pods
+
+
+def test_gen_ranktable_writes_what_the_controller_reads(tmp_path):
+    """gen_ranktable.sh against a stand-in kubectl that lists pods and keeps what ``apply`` receives."""
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text("""#!/usr/bin/env bash
+case "$*" in
+  *"get pods -l app=mindie-ms-coordinator"*) printf '10.0.0.2\\t\\n' ;;
+  *"get pods -l app=mindie-ms-controller"*) printf '10.0.0.3\\t\\n' ;;
+  *"get pods -l app=mindie-server"*) printf '10.0.1.1\\t800I A2(32G)\\n10.0.1.2\\t800I A2(64G)\\n10.0.1.3\\t\\n' ;;
+  *"create configmap"*) for a in "$@"; do case "$a" in --from-literal=*) printf '%s' "${a#*=*.json=}" ;; esac; done ;;
+  *"apply -f -"*) cat > "$OUT" ;;
+  *) echo "unexpected: $*" >&2; exit 1 ;;
+esac
+""")
+    kubectl.chmod(0o755)
+    out = tmp_path / "table.json"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "OUT": str(out)}
+    subprocess.run(["bash", str(K8S / "gen_ranktable.sh")], env=env, check=True, timeout=60)
+    table = json.loads(out.read_text())
+    cfg = controller_config_from_dict(default_controller_dict(), environ={})
+    topology = parse_topology(table, cfg)
+    assert topology.ready and topology.coordinator == ("10.0.0.2", cfg.coordinator_port)
+    assert [(s.ip, s.hardware_type) for s in topology.servers] == [
+        ("10.0.1.1", "800I A2(32G)"), ("10.0.1.2", "800I A2(64G)"), ("10.0.1.3", "")]
+
+
+def test_pd_probe_paths_exist_on_the_servers(apps):
+    probes = 0
+    for dep in (d for d in pd_documents(PD, PD / "heterogeneous") if d["kind"] == "Deployment"):
+        for container in dep["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                get = container[kind]["httpGet"]
+                app = apps["mindie-server"][ports[get["port"]]]
+                assert _serves(app, get["path"]), f"{dep['metadata']['name']} {kind}: {get['path']}"
+                probes += 1
+    assert probes == 9

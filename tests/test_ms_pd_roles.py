@@ -302,3 +302,16 @@ async def test_standard_mode_server_is_refused(tmp_path, caplog):
         await cycle_until(ctl, lambda: ctl.nodes[servers[1].id].is_faulty)
         assert not servers[1].pushes
         assert any("inferMode 'standard'" in r.getMessage() for r in caplog.records)
+
+
+async def test_heterogeneous_roles_follow_the_hardware(tmp_path, caplog):
+    async with pd_cluster(tmp_path, 3, controller={"is_heterogeneous": True}) as (servers, coord, ctl):
+        hardware = ["800I A2(64G)", "800I A2(32G)", "800I A2(16G)"]
+        entries = [{"ip": HOST, "port": s.port, "management_port": s.mgmt_port, "metric_port": s.port,
+                    "hardware_type": hw} for s, hw in zip(servers, hardware)]
+        (tmp_path / "ranktable.json").write_text(json.dumps({"coordinator": {"ip": HOST, "port": coord.manage},
+                                                             "servers": entries}))
+        await cycle_until(ctl, lambda: coord.coordinator.ready and ctl.nodes[servers[2].id].is_faulty)
+        assert (servers[0].role, servers[1].role) == (D, P)  # 64G decodes, 32G prefills, whatever the ids
+        assert not servers[2].pushes
+        assert any("hardware_type '800I A2(16G)'" in r.getMessage() for r in caplog.records)

@@ -6,7 +6,8 @@ server's ``ip``, ``MINDIE_MS_P_RATE``/``MINDIE_MS_D_RATE`` the P/D rates, and
 
 ``deploy_mode`` ``pd_separate`` (PD disaggregation) uses the role keys: ``default_p_rate`` /
 ``default_d_rate`` (or, both 0, ``digs_request_summary_input_length`` / ``_output_length``) for the
-P:D split (:func:`~.roles.decide_roles`), ``init_role_attempt_times``, ``check_role_attempt_times``
+P:D split (:func:`~.roles.decide_roles`; with ``is_heterogeneous`` each server's rank-table
+``hardware_type`` decides instead), ``init_role_attempt_times``, ``check_role_attempt_times``
 and ``check_role_wait_seconds`` for pushing roles (:mod:`.roles`). The other digs keys (model and
 machine files, SLOs, ``digs_pp``) are checked but not used.
 """
@@ -89,6 +90,7 @@ class ControllerConfig:
     check_role_wait_seconds: int = 5
     digs_input_length: int = 3000
     digs_output_length: int = 200
+    is_heterogeneous: bool = False
     source_path: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -132,7 +134,7 @@ def controller_config_from_dict(data: Any, *, source_path: str | None = None,
     if (p_rate == 0) != (d_rate == 0) or p_rate + d_rate > 16:
         raise ConfigError("default_p_rate/default_d_rate", f"{p_rate}/{d_rate}",
                           "both 0 (automatic), or both non-zero with default_p_rate + default_d_rate <= 16")
-    root.boolean("is_heterogeneous")
+    heterogeneous = root.boolean("is_heterogeneous")
     roles = {name: root.integer(name, 1, U16)
              for name in ("init_role_attempt_times", "check_role_attempt_times", "check_role_wait_seconds")}
     root.string("role_decision_methods", choices=("digs",))
@@ -159,7 +161,8 @@ def controller_config_from_dict(data: Any, *, source_path: str | None = None,
         deploy_mode=mode, process_manager_to_file=pm_values[0], process_manager_path=pm_values[1],
         cluster_status_to_file=cs_values[0], cluster_status_path=cs_values[1], rank_table_path=rank_table,
         **ints, http_ip=http_ip, http_port=http_port, tls=tls, log=log, p_rate=p_rate, d_rate=d_rate, **roles,
-        digs_input_length=digs_in, digs_output_length=digs_out, source_path=source_path, warnings=warnings,
+        digs_input_length=digs_in, digs_output_length=digs_out, is_heterogeneous=heterogeneous,
+        source_path=source_path, warnings=warnings,
     )
 
 

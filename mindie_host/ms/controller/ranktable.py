@@ -41,6 +41,7 @@ class ServerAddress:
     management_port: int
     metric_port: int
     devices: tuple[tuple[str, str], ...] = ()
+    hardware_type: str = ""
 
     @property
     def id(self) -> int:
@@ -88,6 +89,14 @@ def _devices(entry: dict[str, Any], server_ip: str) -> tuple[tuple[str, str], ..
     return tuple(out)
 
 
+def _hardware_type(entry: dict[str, Any], where: str) -> str:
+    """``hardware_type`` (heterogeneous PD: ``"800I A2(32G)"`` or ``"800I A2(64G)"``); empty when absent."""
+    value = entry.get("hardware_type", "")
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}.hardware_type", value, "a string such as \"800I A2(32G)\"")
+    return value
+
+
 def _server(entry: Any, where: str, cfg: ControllerConfig, ip_key: str) -> ServerAddress:
     if isinstance(entry, str):
         entry = {"ip": entry.split(":")[0], "port": entry.split(":")[1]} if ":" in entry else {"ip": entry}
@@ -100,6 +109,7 @@ def _server(entry: Any, where: str, cfg: ControllerConfig, ip_key: str) -> Serve
         management_port=_port(entry, "management_port", cfg.server_control_port, where),
         metric_port=_port(entry, "metric_port", cfg.server_metric_port, where),
         devices=_devices(entry, ip),
+        hardware_type=_hardware_type(entry, where),
     )
 
 

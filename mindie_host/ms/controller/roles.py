@@ -7,7 +7,9 @@ The flow, once per sync period, after the servers were polled (:mod:`.poller`):
    table. A server whose ``/v1/config`` says ``inferMode`` other than ``dmi`` cannot take a role:
    it is marked faulty with an error naming the key (and checked again after the check window).
 2. **Decision** (:func:`decide_roles`). Members keep a role once they have one; members without
-   one fill the side that is below its target (:func:`prefill_target`).
+   one fill the side that is below its target (:func:`prefill_target`). With ``is_heterogeneous``
+   the rank table's ``hardware_type`` decides instead: ``"800I A2(32G)"`` servers are P,
+   ``"800I A2(64G)"`` servers D, and a server with neither is marked faulty (logged).
 3. **Push** (:class:`RoleManager`). ``POST /v1/role/{prefill|decode}`` with the body of spec Table
    4-15: ``local`` is the server (its rank-table devices, or one device ``"0"`` at its IP) and
    ``peers`` the members of the other side (for a P its Ds, for a D its Ps). Each peer must have
@@ -48,6 +50,8 @@ log = logging.getLogger("mindie_host.ms.controller")
 PREFILL = "prefill"
 DECODE = "decode"
 STATUSES = ("RoleUnknown", "RoleSwitching", "RoleReady")
+#: ``is_heterogeneous``: the role each rank table ``hardware_type`` takes (spec §3.6: 32G nodes P, 64G nodes D)
+HARDWARE_ROLES = {"800I A2(32G)": PREFILL, "800I A2(64G)": DECODE}
 
 
 def _round_half_up(x: float) -> int:
@@ -139,6 +143,13 @@ class RoleManager:
                           node.infer_mode)
                 self._set_aside(node, f"inferMode is {node.infer_mode!r}, not 'dmi'")
                 continue
+            if self.config.is_heterogeneous and node.addr.hardware_type not in HARDWARE_ROLES:
+                log.error("[NodeScheduler] server %d (%s:%d) has hardware_type %r in the rank table; with "
+                          "is_heterogeneous every server needs one of %s: marked faulty", node.id, node.addr.ip,
+                          node.addr.port, node.addr.hardware_type, ", ".join(map(repr, HARDWARE_ROLES)))
+                self._set_aside(node, f"hardware_type {node.addr.hardware_type!r} is not one of "
+                                      f"{', '.join(HARDWARE_ROLES)}")
+                continue
             out.append(node)
         return out
 
@@ -148,10 +159,13 @@ class RoleManager:
         by_id = {n.id: n for n in members}
         for sid in [s for s, (_, t) in self.tasks.items() if t.done() and s not in by_id]:
             del self.tasks[sid]
-        decided = decide_roles(sorted(by_id), {n.id: n.role for n in members if n.role},
-                               p_rate=self.config.p_rate, d_rate=self.config.d_rate,
-                               input_length=self.config.digs_input_length,
-                               output_length=self.config.digs_output_length)
+        if self.config.is_heterogeneous:  # the hardware decides: 32G nodes prefill, 64G nodes decode
+            decided = {sid: HARDWARE_ROLES[node.addr.hardware_type] for sid, node in by_id.items()}
+        else:
+            decided = decide_roles(sorted(by_id), {n.id: n.role for n in members if n.role},
+                                   p_rate=self.config.p_rate, d_rate=self.config.d_rate,
+                                   input_length=self.config.digs_input_length,
+                                   output_length=self.config.digs_output_length)
         for sid, role in decided.items():
             node = by_id[sid]
             if node.role != role:
