@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-MS_COMMANDS = ("coordinator", "controller", "cluster")
+MS_COMMANDS = ("coordinator", "controller", "cluster", "deployer", "msctl")
 
 
 def add_ms_parsers(sub: Any) -> None:
@@ -23,12 +23,19 @@ def add_ms_parsers(sub: Any) -> None:
     cl.add_argument("--port", type=int, default=1025, help="the coordinator's user port (default 1025)")
     cl.add_argument("--workdir", default="mindie-cluster", help="configs and logs go here (default ./mindie-cluster)")
     cl.add_argument("--algorithm", default="cache_affinity", choices=["cache_affinity", "round_robin", "load_balance"])
+    from .deployer.cli import add_deployer_parsers
+
+    add_deployer_parsers(sub)
 
 
 def run_ms_command(args: argparse.Namespace) -> int:
     """Run one MS subcommand; configuration errors print one line and return 2."""
     from .schema import ConfigError
 
+    if args.cmd in ("deployer", "msctl"):
+        from .deployer.cli import run_deployer_command
+
+        return run_deployer_command(args)
     try:
         if args.cmd == "coordinator":
             from .coordinator.app import run_coordinator

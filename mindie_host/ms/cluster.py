@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,32 +85,9 @@ class Cluster:
         """Write every config file and the rank table under the work directory."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.servers = []
-        for k in range(self.count):
-            cfg = copy.deepcopy(self.base_server)
-            s = cfg["ServerConfig"]
-            s.update({"ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.1", "port": free_port(),
-                      "managementPort": free_port(), "metricsPort": free_port()})
-            if s.get("inferMode") == "dmi":  # PD: each server's inter-instance port, all on one machine
-                s["interCommPort"] = free_port()
-            path = self.workdir / f"server-{k}.json"
-            path.write_text(json.dumps(cfg, indent=2))
-            self.servers.append({"config": str(path), "ip": "127.0.0.1", "port": s["port"],
-                                 "management_port": s["managementPort"], "metric_port": s["metricsPort"],
-                                 "scheme": "https" if s.get("httpsEnabled") else "http"})
-        rank_table = {
-            "version": "1.0", "status": "completed",
-            "server_group_list": [
-                {"group_id": "0", "server_count": "1",
-                 "server_list": [{"server_id": "127.0.0.1", "server_ip": "127.0.0.1", "port": self.manage_port}]},
-                {"group_id": "1", "server_count": "1",
-                 "server_list": [{"server_id": "127.0.0.1", "server_ip": "127.0.0.1"}]},
-                {"group_id": "2", "server_count": str(self.count), "server_list": [
-                    {"server_id": "127.0.0.1", "server_ip": "127.0.0.1", "device": [], "port": srv["port"],
-                     "management_port": srv["management_port"], "metric_port": srv["metric_port"]}
-                    for srv in self.servers]},
-            ],
-        }
-        (self.workdir / "global_rank_table.json").write_text(json.dumps(rank_table, indent=2))
+        for _ in range(self.count):
+            self.add_server()
+        self.write_rank_table()
         ctl = default_controller_dict()
         _deep_update(ctl, {
             "process_manager": {"file_path": str(self.workdir / "logs/controller_process_status.json")},
@@ -126,6 +104,43 @@ class Cluster:
                                              "manage_port": str(self.manage_port)}})
         _deep_update(coord, self.coordinator_overrides)
         (self.workdir / "ms_coordinator.json").write_text(json.dumps(coord, indent=2))
+
+    def add_server(self, config: dict[str, Any] | None = None) -> int:
+        """Write ``server-K.json`` for one more server (``config``, else the base config) on free ports; returns K."""
+        k = len(self.servers)
+        cfg = copy.deepcopy(config if config is not None else self.base_server)
+        s = cfg["ServerConfig"]
+        s.update({"ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.1", "port": free_port(),
+                  "managementPort": free_port(), "metricsPort": free_port()})
+        if s.get("inferMode") == "dmi":  # PD: each server's inter-instance port, all on one machine
+            s["interCommPort"] = free_port()
+        path = self.workdir / f"server-{k}.json"
+        path.write_text(json.dumps(cfg, indent=2))
+        self.servers.append({"config": str(path), "ip": "127.0.0.1", "port": s["port"],
+                             "management_port": s["managementPort"], "metric_port": s["metricsPort"],
+                             "scheme": "https" if s.get("httpsEnabled") else "http"})
+        return k
+
+    def write_rank_table(self, members: Iterable[int] | None = None) -> None:
+        """Write the rank table listing servers ``members`` (default: all), replacing the file in one step."""
+        listed = [self.servers[k] for k in (range(len(self.servers)) if members is None else members)]
+        rank_table = {
+            "version": "1.0", "status": "completed",
+            "server_group_list": [
+                {"group_id": "0", "server_count": "1",
+                 "server_list": [{"server_id": "127.0.0.1", "server_ip": "127.0.0.1", "port": self.manage_port}]},
+                {"group_id": "1", "server_count": "1",
+                 "server_list": [{"server_id": "127.0.0.1", "server_ip": "127.0.0.1"}]},
+                {"group_id": "2", "server_count": str(len(listed)), "server_list": [
+                    {"server_id": "127.0.0.1", "server_ip": "127.0.0.1", "device": [], "port": srv["port"],
+                     "management_port": srv["management_port"], "metric_port": srv["metric_port"]}
+                    for srv in listed]},
+            ],
+        }
+        path = self.workdir / "global_rank_table.json"
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(rank_table, indent=2))
+        os.replace(partial, path)
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -200,6 +215,17 @@ class Cluster:
         if proc.poll() is None:
             proc.send_signal(sig)
             if sig == signal.SIGKILL:
+                proc.wait()
+
+    def stop_process(self, name: str, grace: float) -> None:
+        """SIGTERM one process (a server drains), and SIGKILL it if it is still there after ``grace`` seconds."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
                 proc.wait()
 
     def stop(self, grace: float = 15.0) -> None:

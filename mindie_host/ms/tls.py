@@ -92,13 +92,20 @@ def tls_base(config_path: str | None) -> Path:
     return Path(config_path).resolve().parent if config_path else Path.cwd()
 
 
-def read_link(tls: Section, link: str, base: Path) -> TLSLink:
-    """``{link}_tls_enable`` and, when enabled, ``{link}_tls_items`` from ``tls_config``."""
-    enabled = tls.boolean(f"{link}_tls_enable")
+def read_link(tls: Section, link: str, base: Path, *, enable_key: str = "", items_key: str = "",
+              enabled: bool | None = None) -> TLSLink:
+    """``{link}_tls_enable`` and, when enabled, ``{link}_tls_items`` from ``tls_config``.
+
+    ``enable_key``/``items_key`` name the two keys where a file spells them otherwise; ``enabled`` given
+    means the link has no switch (its items are required).
+    """
+    if enabled is None:
+        enabled = tls.boolean(enable_key or f"{link}_tls_enable")
+    items_key = items_key or f"{link}_tls_items"
     if not enabled:
-        tls.raw(f"{link}_tls_items", required=False)
+        tls.raw(items_key, required=False)
         return TLSLink(link, False, base)
-    items = tls.section(f"{link}_tls_items")
+    items = tls.section(items_key)
     values = {}
     for key in ITEM_KEYS:
         value = items.raw(key, required=key in ("tls_cert", "tls_key"), default="")
