@@ -57,8 +57,11 @@ def merge(target: Any, patch: Any) -> Any:
         for key, value in patch.items():
             out[key] = merge(target.get(key), value) if key in target else copy.deepcopy(value)
         return out
-    if (isinstance(target, list) and isinstance(patch, list) and all(isinstance(x, dict) and "name" in x
-                                                                     for x in target + patch)):
+    if (
+        isinstance(target, list)
+        and isinstance(patch, list)
+        and all(isinstance(x, dict) and "name" in x for x in target + patch)
+    ):
         by_name = {x["name"]: x for x in target}
         out = [merge(by_name[x["name"]], x) if x["name"] in by_name else copy.deepcopy(x) for x in patch]
         return out + [x for x in target if x["name"] not in {p["name"] for p in patch}]
@@ -66,8 +69,16 @@ def merge(target: Any, patch: Any) -> Any:
 
 
 def _status(code: int, reason: str, message: str, kind: str = "", name: str = "") -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure" if code >= 400 else "Success",
-            "message": message, "reason": reason, "details": {"name": name, "kind": kind}, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "reason": reason,
+        "details": {"name": name, "kind": kind},
+        "code": code,
+    }
 
 
 @dataclass
@@ -104,18 +115,25 @@ class FakeKubeAPI:
             name = body["metadata"]["name"]
             key = (plural, ns, name)
             if key in self.objects:
-                return FakeResponse(409, _status(409, "AlreadyExists", f'{plural} "{name}" already exists', plural,
-                                                 name))
+                return FakeResponse(
+                    409, _status(409, "AlreadyExists", f'{plural} "{name}" already exists', plural, name)
+                )
             obj = copy.deepcopy(body)
-            obj["metadata"].update(uid=hashlib.md5(name.encode()).hexdigest(), namespace=ns,
-                                   resourceVersion=str(next(self._version)),
-                                   creationTimestamp=f"2025-01-01T00:00:{len(self.objects):02d}Z")
+            obj["metadata"].update(
+                uid=hashlib.md5(name.encode()).hexdigest(),
+                namespace=ns,
+                resourceVersion=str(next(self._version)),
+                creationTimestamp=f"2025-01-01T00:00:{len(self.objects):02d}Z",
+            )
             self.objects[key] = obj
             self._reconcile()
             return FakeResponse(201, obj)
         if name is None and method in ("GET", "DELETE"):
-            items = [o for (p, n, _), o in self.objects.items() if p == plural and n == ns
-                     and _selected(o, query.get("labelSelector", ""))]
+            items = [
+                o
+                for (p, n, _), o in self.objects.items()
+                if p == plural and n == ns and _selected(o, query.get("labelSelector", ""))
+            ]
             if method == "DELETE":
                 for obj in items:
                     del self.objects[(plural, ns, obj["metadata"]["name"])]
@@ -149,15 +167,27 @@ class FakeKubeAPI:
             for n in range(dep["spec"]["replicas"]):
                 pod_name = f"{name}-{rs_hash}-{n:05d}"
                 self.objects[("pods", ns, pod_name)] = {
-                    "apiVersion": "v1", "kind": "Pod",
+                    "apiVersion": "v1",
+                    "kind": "Pod",
                     "metadata": {"name": pod_name, "namespace": ns, "labels": dict(template["metadata"]["labels"])},
                     "spec": copy.deepcopy(template["spec"]),
-                    "status": {"phase": "Running", "podIP": self.pod_ip,
-                               "conditions": [{"type": "Ready", "status": "True"}],
-                               "containerStatuses": [{"name": c["name"], "ready": True, "restartCount": 0,
-                                                      "image": c["image"], "imageID": "", "started": True,
-                                                      "state": {"running": {"startedAt": "2025-01-01T00:00:00Z"}}}
-                                                     for c in template["spec"]["containers"]]},
+                    "status": {
+                        "phase": "Running",
+                        "podIP": self.pod_ip,
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                        "containerStatuses": [
+                            {
+                                "name": c["name"],
+                                "ready": True,
+                                "restartCount": 0,
+                                "image": c["image"],
+                                "imageID": "",
+                                "started": True,
+                                "state": {"running": {"startedAt": "2025-01-01T00:00:00Z"}},
+                            }
+                            for c in template["spec"]["containers"]
+                        ],
+                    },
                 }
 
     def of_kind(self, plural: str) -> dict[str, dict[str, Any]]:

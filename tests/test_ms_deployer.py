@@ -77,16 +77,44 @@ SEED_SAMPLE = """{
 def body(**changes: Any) -> dict[str, Any]:
     """A valid single-node body (the spec's sample, corrected), with top-level changes."""
     out: dict[str, Any] = {
-        "server_name": "mindie-server", "replicas": 2, "service_port": 31005, "service_type": "NodePort",
-        "server_type": "mindie_single_node", "scheduler": "default", "init_delay": 180,
-        "detect_server_inner_error": False, "liveness_timeout": 10, "liveness_failure_threshold": 1,
-        "readiness_timeout": 10, "readiness_failure_threshold": 1,
+        "server_name": "mindie-server",
+        "replicas": 2,
+        "service_port": 31005,
+        "service_type": "NodePort",
+        "server_type": "mindie_single_node",
+        "scheduler": "default",
+        "init_delay": 180,
+        "detect_server_inner_error": False,
+        "liveness_timeout": 10,
+        "liveness_failure_threshold": 1,
+        "readiness_timeout": 10,
+        "readiness_failure_threshold": 1,
         "resource_requests": {"memory": 256000, "cpu_core": 32000, "npu_type": "Ascend910", "npu_chip_num": 1},
-        "mindie_server_config": {"mies_install_path": "/usr/local/Ascend/mindie/latest/mindie-service",
-                                 "infer_port": 1025, "management_port": 1026, "enable_tls": False},
-        "termination_grace_period_seconds": 30, "max_unavailable": "50%", "max_surge": "50%",
+        "mindie_server_config": {
+            "mies_install_path": "/usr/local/Ascend/mindie/latest/mindie-service",
+            "infer_port": 1025,
+            "management_port": 1026,
+            "enable_tls": False,
+        },
+        "termination_grace_period_seconds": 30,
+        "max_unavailable": "50%",
+        "max_surge": "50%",
     }
     out.update(changes)
+    return out
+
+
+def cross_body(**changes: Any) -> dict[str, Any]:
+    """A valid multi-node body (Table 3-9: one replica over 2 nodes of 8 NPUs, no rolling-update keys)."""
+    out = body(
+        server_type="mindie_cross_node",
+        replicas=1,
+        cross_node_num=2,
+        resource_requests={"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 8},
+        **changes,
+    )
+    for key in ("termination_grace_period_seconds", "max_unavailable", "max_surge"):
+        del out[key]
     return out
 
 
@@ -109,45 +137,87 @@ def test_the_seeds_sample_is_refused_key_by_key():
     assert spec.replicas == 1 and spec.rolling_limits() == (1, 0)
 
 
-@pytest.mark.parametrize(("change", "named"), [
-    ({"server_name": "Mindie_Server"}, "server_name"),
-    ({"server_name": "x" * 51}, "server_name"),
-    ({"namespace": "-bad"}, "namespace"),
-    ({"replicas": 0}, "replicas"),
-    ({"replicas": 257}, "replicas"),
-    ({"replicas": True}, "replicas"),
-    ({"service_port": 29999}, "service_port"),
-    ({"service_type": "ClusterIP"}, "service_type"),
-    ({"server_type": "mindie"}, "server_type"),
-    ({"scheduler": "kube"}, "scheduler"),
-    ({"init_delay": 9}, "init_delay"),
-    ({"detect_server_inner_error": 1}, "detect_server_inner_error"),
-    ({"liveness_timeout": 601}, "liveness_timeout"),
-    ({"liveness_failure_threshold": 11}, "liveness_failure_threshold"),
-    ({"readiness_timeout": 0}, "readiness_timeout"),
-    ({"readiness_failure_threshold": 0}, "readiness_failure_threshold"),
-    ({"resource_requests": {"cpu_core": 999, "npu_type": "Ascend910", "npu_chip_num": 1}}, "resource_requests.cpu_core"),
-    ({"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend310", "npu_chip_num": 1}}, "resource_requests.npu_type"),
-    ({"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 9}},
-     "resource_requests.npu_chip_num"),
-    ({"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 1, "gpu": 1}},
-     "resource_requests.gpu"),
-    ({"mindie_server_config": {"mies_install_path": "relative", "infer_port": 1025, "management_port": 1026,
-                               "enable_tls": False}}, "mindie_server_config.mies_install_path"),
-    ({"mindie_server_config": {"mies_install_path": "/m", "infer_port": 80, "management_port": 1026,
-                               "enable_tls": False}}, "mindie_server_config.infer_port"),
-    ({"mindie_server_config": {"mies_install_path": "/m", "infer_port": 1025, "management_port": 1025,
-                               "enable_tls": False}}, "mindie_server_config.management_port"),
-    ({"mindie_server_config": {"mies_install_path": "/m", "infer_port": 1025, "management_port": 1026}},
-     "mindie_server_config.enable_tls"),
-    ({"npu_fault_reschedule": True}, "npu_fault_reschedule"),
-    ({"termination_grace_period_seconds": 3601}, "termination_grace_period_seconds"),
-    ({"max_surge": "50"}, "max_surge"),
-    ({"max_unavailable": "101%"}, "max_unavailable"),
-    ({"max_unavailable": "0%", "max_surge": "0%"}, "max_unavailable/max_surge"),
-    ({"cross_node_num": 2}, "cross_node_num"),
-    ({"image": "mindie:server"}, "image"),
-])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"server_name": "Mindie_Server"}, "server_name"),
+        ({"server_name": "x" * 51}, "server_name"),
+        ({"namespace": "-bad"}, "namespace"),
+        ({"replicas": 0}, "replicas"),
+        ({"replicas": 257}, "replicas"),
+        ({"replicas": True}, "replicas"),
+        ({"service_port": 29999}, "service_port"),
+        ({"service_type": "ClusterIP"}, "service_type"),
+        ({"server_type": "mindie"}, "server_type"),
+        ({"scheduler": "kube"}, "scheduler"),
+        ({"init_delay": 9}, "init_delay"),
+        ({"detect_server_inner_error": 1}, "detect_server_inner_error"),
+        ({"liveness_timeout": 601}, "liveness_timeout"),
+        ({"liveness_failure_threshold": 11}, "liveness_failure_threshold"),
+        ({"readiness_timeout": 0}, "readiness_timeout"),
+        ({"readiness_failure_threshold": 0}, "readiness_failure_threshold"),
+        (
+            {"resource_requests": {"cpu_core": 999, "npu_type": "Ascend910", "npu_chip_num": 1}},
+            "resource_requests.cpu_core",
+        ),
+        (
+            {"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend310", "npu_chip_num": 1}},
+            "resource_requests.npu_type",
+        ),
+        (
+            {"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 9}},
+            "resource_requests.npu_chip_num",
+        ),
+        (
+            {"resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 1, "gpu": 1}},
+            "resource_requests.gpu",
+        ),
+        (
+            {
+                "mindie_server_config": {
+                    "mies_install_path": "relative",
+                    "infer_port": 1025,
+                    "management_port": 1026,
+                    "enable_tls": False,
+                }
+            },
+            "mindie_server_config.mies_install_path",
+        ),
+        (
+            {
+                "mindie_server_config": {
+                    "mies_install_path": "/m",
+                    "infer_port": 80,
+                    "management_port": 1026,
+                    "enable_tls": False,
+                }
+            },
+            "mindie_server_config.infer_port",
+        ),
+        (
+            {
+                "mindie_server_config": {
+                    "mies_install_path": "/m",
+                    "infer_port": 1025,
+                    "management_port": 1025,
+                    "enable_tls": False,
+                }
+            },
+            "mindie_server_config.management_port",
+        ),
+        (
+            {"mindie_server_config": {"mies_install_path": "/m", "infer_port": 1025, "management_port": 1026}},
+            "mindie_server_config.enable_tls",
+        ),
+        ({"npu_fault_reschedule": True}, "npu_fault_reschedule"),
+        ({"termination_grace_period_seconds": 3601}, "termination_grace_period_seconds"),
+        ({"max_surge": "50"}, "max_surge"),
+        ({"max_unavailable": "101%"}, "max_unavailable"),
+        ({"max_unavailable": "0%", "max_surge": "0%"}, "max_unavailable/max_surge"),
+        ({"cross_node_num": 2}, "cross_node_num"),
+        ({"image": "mindie:server"}, "image"),
+    ],
+)
 def test_each_bad_value_is_refused_naming_its_key(change, named):
     with pytest.raises(SpecError) as err:
         parse_infer_server(body(**change))
@@ -155,8 +225,8 @@ def test_each_bad_value_is_refused_naming_its_key(change, named):
 
 
 def test_cross_node_bodies_follow_table_3_9():
-    cross = body(server_type="mindie_cross_node", replicas=1, cross_node_num=4,
-                 resource_requests={"cpu_core": 32000, "npu_type": "Ascend910", "npu_chip_num": 8})
+    rolling = {"termination_grace_period_seconds": 30, "max_unavailable": "50%", "max_surge": "50%"}
+    cross = {**cross_body(cross_node_num=4), **rolling}
     for key in ("termination_grace_period_seconds", "max_unavailable", "max_surge"):
         with pytest.raises(SpecError, match=f"^{key}: not supported"):
             parse_infer_server(cross)
@@ -166,17 +236,21 @@ def test_cross_node_bodies_follow_table_3_9():
     with pytest.raises(SpecError, match="^replicas:"):
         parse_infer_server({**cross, "replicas": 2})
     with pytest.raises(SpecError, match="^resource_requests.npu_chip_num:"):
-        parse_infer_server({**cross, "resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910",
-                                                           "npu_chip_num": 4}})
+        parse_infer_server(
+            {**cross, "resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 4}}
+        )
 
 
-@pytest.mark.parametrize(("replicas", "surge", "unavailable", "expected"), [
-    (2, "50%", "50%", (1, 1)),
-    (3, "50%", "0%", (2, 0)),  # surge rounds up
-    (3, "0%", "50%", (0, 1)),  # unavailability rounds down
-    (1, "0%", "50%", (0, 1)),  # floor(0.5) = 0 with no surge: the spec's forced update, one at a time
-    (4, "25%", "25%", (1, 1)),
-])
+@pytest.mark.parametrize(
+    ("replicas", "surge", "unavailable", "expected"),
+    [
+        (2, "50%", "50%", (1, 1)),
+        (3, "50%", "0%", (2, 0)),  # surge rounds up
+        (3, "0%", "50%", (0, 1)),  # unavailability rounds down
+        (1, "0%", "50%", (0, 1)),  # floor(0.5) = 0 with no surge: the spec's forced update, one at a time
+        (4, "25%", "25%", (1, 1)),
+    ],
+)
 def test_rolling_limits_round_as_a_deployment_does(replicas, surge, unavailable, expected):
     spec = parse_infer_server(body(replicas=replicas, max_surge=surge, max_unavailable=unavailable))
     assert spec.rolling_limits() == expected
@@ -193,11 +267,29 @@ def npu_config() -> dict[str, Any]:
 def test_every_generated_manifest_validates_against_the_kubernetes_schema():
     variants = [
         (body(), default_config_dict()),
-        (body(detect_server_inner_error=True, scheduler="volcano", npu_fault_reschedule=False,
-              resource_requests={"cpu_core": 8000, "npu_type": "Ascend310P", "npu_chip_num": 2}), npu_config()),
-        (body(mindie_server_config={"mies_install_path": "/opt/mindie/", "infer_port": 2025,
-                                    "management_port": 2026, "enable_tls": True},
-              termination_grace_period_seconds=0, max_surge="0%", max_unavailable="100%"), default_config_dict()),
+        (
+            body(
+                detect_server_inner_error=True,
+                scheduler="volcano",
+                npu_fault_reschedule=False,
+                resource_requests={"cpu_core": 8000, "npu_type": "Ascend310P", "npu_chip_num": 2},
+            ),
+            npu_config(),
+        ),
+        (
+            body(
+                mindie_server_config={
+                    "mies_install_path": "/opt/mindie/",
+                    "infer_port": 2025,
+                    "management_port": 2026,
+                    "enable_tls": True,
+                },
+                termination_grace_period_seconds=0,
+                max_surge="0%",
+                max_unavailable="100%",
+            ),
+            default_config_dict(),
+        ),
     ]
     for spec_body, cfg in variants:
         for obj in manifests(parse_infer_server(spec_body), cfg, "mindie-host:latest"):
@@ -205,26 +297,40 @@ def test_every_generated_manifest_validates_against_the_kubernetes_schema():
 
 
 def test_npu_requests_probes_and_strategy():
-    spec = parse_infer_server(body(detect_server_inner_error=True, scheduler="volcano", npu_fault_reschedule=True,
-                                   resource_requests={"cpu_core": 8000, "npu_type": "Ascend910", "npu_chip_num": 2,
-                                                      "memory": 64000}))
+    spec = parse_infer_server(
+        body(
+            detect_server_inner_error=True,
+            scheduler="volcano",
+            npu_fault_reschedule=True,
+            resource_requests={"cpu_core": 8000, "npu_type": "Ascend910", "npu_chip_num": 2, "memory": 64000},
+        )
+    )
     cmap, dep, svc = manifests(spec, npu_config(), "img:1")
     pod = dep["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["resources"] == {"requests": {"cpu": "8000m", "memory": "64000Mi", "huawei.com/Ascend910": "2"},
-                                      "limits": {"huawei.com/Ascend910": "2"}}
+    assert container["resources"] == {
+        "requests": {"cpu": "8000m", "memory": "64000Mi", "huawei.com/Ascend910": "2"},
+        "limits": {"huawei.com/Ascend910": "2"},
+    }
     assert pod["nodeSelector"] == {"accelerator": "huawei-Ascend910"} and pod["schedulerName"] == "volcano"
     assert dep["spec"]["template"]["metadata"]["labels"]["fault-scheduling"] == "grace"
-    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
-                                       "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": "50%"}}
+    assert dep["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": "50%"},
+    }
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/timed-10"
     assert container["livenessProbe"]["initialDelaySeconds"] == 180
     assert {e["name"]: e.get("value") for e in container["env"]}["OMP_NUM_THREADS"] == "8"
     served = json.loads(cmap["data"]["config.json"])["ServerConfig"]
     assert (served["port"], served["managementPort"], served["shutdownDrainSeconds"]) == (1025, 1026, 23.0)
     assert pod["volumes"][0]["configMap"]["name"] == cmap["metadata"]["name"]
-    assert svc["spec"]["ports"][0] == {"name": "business", "protocol": "TCP", "port": 1025, "targetPort": "business",
-                                       "nodePort": 31005}
+    assert svc["spec"]["ports"][0] == {
+        "name": "business",
+        "protocol": "TCP",
+        "port": 1025,
+        "targetPort": "business",
+        "nodePort": 31005,
+    }
     # the same request for servers on CPU: no NPU is requested, no node is singled out
     cpu = manifests(spec, default_config_dict(), "img:1")[1]["spec"]["template"]["spec"]
     assert "huawei.com/Ascend910" not in cpu["containers"][0]["resources"]["requests"]
@@ -238,8 +344,16 @@ def test_npu_chip_num_must_match_the_servers_devices():
     plain = TLSLink("mindie_client", False, Path("."))
     with pytest.raises(SpecError, match="^resource_requests.npu_chip_num: 1, but the servers' config.json uses 2"):
         check_against_config(parse_infer_server(body()), npu_config(), plain)
-    tls = parse_infer_server(body(mindie_server_config={"mies_install_path": "/m", "infer_port": 1025,
-                                                        "management_port": 1026, "enable_tls": True}))
+    tls = parse_infer_server(
+        body(
+            mindie_server_config={
+                "mies_install_path": "/m",
+                "infer_port": 1025,
+                "management_port": 1026,
+                "enable_tls": True,
+            }
+        )
+    )
     with pytest.raises(SpecError, match="^mindie_server_config.enable_tls: true, but the servers' config.json"):
         check_against_config(tls, default_config_dict(), plain)
 
@@ -284,11 +398,22 @@ class RunningDeployer:
 
 
 def ms_server_json(tmp: Path, **extra: Any) -> dict[str, Any]:
-    return {"ip": "127.0.0.1", "port": free_port(), "k8s_apiserver_ip": "10.0.0.1", "k8s_apiserver_port": 6443,
-            "log_info": {"log_level": "INFO", "run_log_path": str(tmp / "run.txt"),
-                         "operation_log_path": str(tmp / "operation.txt")},
-            "ms_status_file": str(tmp / "status.json"), "server_tls_enable": False,
-            "client_k8s_tls_enable": False, "client_mindie_server_tls_enable": False, **extra}
+    return {
+        "ip": "127.0.0.1",
+        "port": free_port(),
+        "k8s_apiserver_ip": "10.0.0.1",
+        "k8s_apiserver_port": 6443,
+        "log_info": {
+            "log_level": "INFO",
+            "run_log_path": str(tmp / "run.txt"),
+            "operation_log_path": str(tmp / "operation.txt"),
+        },
+        "ms_status_file": str(tmp / "status.json"),
+        "server_tls_enable": False,
+        "client_k8s_tls_enable": False,
+        "client_mindie_server_tls_enable": False,
+        **extra,
+    }
 
 
 def kube_target(fake: FakeKubeAPI, server_config: str | None = None) -> KubeTarget:
@@ -325,15 +450,21 @@ def test_kubernetes_target_follows_the_api_contract(kube):
             kubernetes_validate.validate(call.body, K8S_VERSION, strict=True)
         assert fake.calls[1].body["spec"]["template"]["spec"]["containers"][0]["image"] == "mindie-host:test"
         status = json.loads((tmp / "status.json").read_text())
-        assert status["server_list"][0] == {"namespace": "mindie", "replicas": 2, "server_name": "mindie-server",
-                                            "server_type": "mindie_single_node", "use_service": True,
-                                            "infer_server": body()}
+        assert status["server_list"][0] == {
+            "namespace": "mindie",
+            "replicas": 2,
+            "server_name": "mindie-server",
+            "server_type": "mindie_single_node",
+            "use_service": True,
+            "infer_server": body(),
+        }
 
         fake.clear()
         got = http.get("/v1/servers/mindie-server").json()
         assert routes(fake) == [f"GET {apps}/deployments/mindie-server", f"GET {ns}/pods"]
-        assert fake.calls[1].query == {"labelSelector": "app=mindie-server,app.kubernetes.io/managed-by="
-                                                         "mindie-host-deployer"}
+        assert fake.calls[1].query == {
+            "labelSelector": "app=mindie-server,app.kubernetes.io/managed-by=mindie-host-deployer"
+        }
         assert got["message"] == "success" and got["status"] == "0" and got["data"]["server_name"] == "mindie-server"
         first_pods = [i["pod_name"] for i in got["data"]["instances_status"]]
         assert len(first_pods) == 2 and all(i["liveness"] and i["readiness"] for i in got["data"]["instances_status"])
@@ -342,8 +473,12 @@ def test_kubernetes_target_follows_the_api_contract(kube):
         fake.clear()
         resp = http.post("/v1/servers/mindie-server", json={"server_name": "mindie-server"})
         assert (resp.status_code, resp.json()) == (200, {"message": "update server success.", "status": "0"})
-        assert routes(fake) == [f"GET {apps}/deployments/mindie-server", f"POST {ns}/configmaps",
-                                f"PATCH {apps}/deployments/mindie-server", f"GET {ns}/configmaps"]
+        assert routes(fake) == [
+            f"GET {apps}/deployments/mindie-server",
+            f"POST {ns}/configmaps",
+            f"PATCH {apps}/deployments/mindie-server",
+            f"GET {ns}/configmaps",
+        ]
         patch = fake.calls[2].body["spec"]["template"]
         assert "deployer.mindie-host.io/restarted-at" in patch["metadata"]["annotations"]
         assert patch["spec"]["volumes"][0]["configMap"]["name"] == fake.calls[1].body["metadata"]["name"]
@@ -353,8 +488,11 @@ def test_kubernetes_target_follows_the_api_contract(kube):
         fake.clear()
         resp = http.delete("/v1/servers/mindie-server")
         assert (resp.status_code, resp.json()) == (200, {"message": "succeed to clear resources", "status": "0"})
-        assert routes(fake) == [f"DELETE {ns}/services/mindie-server", f"DELETE {apps}/deployments/mindie-server",
-                                f"DELETE {ns}/configmaps"]
+        assert routes(fake) == [
+            f"DELETE {ns}/services/mindie-server",
+            f"DELETE {apps}/deployments/mindie-server",
+            f"DELETE {ns}/configmaps",
+        ]
         assert fake.objects == {}
         assert json.loads((tmp / "status.json").read_text()) == {"server_list": []}
 
@@ -364,8 +502,10 @@ def test_an_update_with_a_changed_config_rolls_a_new_config_map(tmp_path: Path):
     server_cfg = tmp_path / "config.json"
     server_cfg.write_text(json.dumps(default_config_dict()))
     config = deployer_config_from_dict(ms_server_json(tmp_path), target="kubernetes", environ={})
-    with RunningDeployer(config, kube_target(fake, str(server_cfg))) as running, \
-            httpx.Client(base_url=running.url, timeout=30) as http:
+    with (
+        RunningDeployer(config, kube_target(fake, str(server_cfg))) as running,
+        httpx.Client(base_url=running.url, timeout=30) as http,
+    ):
         assert http.post("/v1/servers", json=body()).status_code == 200
         first_map = next(iter(fake.of_kind("configmaps")))
         for n in range(3):  # three updates, each with its own config: two ConfigMaps stay (current and previous)
@@ -377,13 +517,16 @@ def test_an_update_with_a_changed_config_rolls_a_new_config_map(tmp_path: Path):
         assert first_map not in maps and len(maps) == 2
         dep = fake.of_kind("deployments")["mindie-server"]
         current = dep["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
-        assert json.loads(maps[current]["data"]["config.json"])["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 102
+        assert (
+            json.loads(maps[current]["data"]["config.json"])["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 102
+        )
         kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
 
 
 def test_rest_api_refusals(kube):
     running, fake, _ = kube
     with httpx.Client(base_url=running.url, timeout=30) as http:
+
         def refused(method: str, path: str, status: int, **kw: Any) -> str:
             resp = http.request(method, path, **kw)
             assert resp.status_code == status, resp.text
@@ -392,13 +535,11 @@ def test_rest_api_refusals(kube):
 
         assert refused("POST", "/v1/servers", 400, content=b"{nope").startswith("the body is not valid JSON")
         assert refused("POST", "/v1/servers", 400, content=b"[" * 50000 + b"]" * 50000).startswith("the body is")
-        assert refused("POST", "/v1/servers", 400, json=body(replicas=0)).startswith("replicas: must be an integer "
-                                                                                     "in [1, 256]")
+        assert refused("POST", "/v1/servers", 400, json=body(replicas=0)).startswith(
+            "replicas: must be an integer in [1, 256]"
+        )
         assert refused("POST", "/v1/servers", 400, json=body(max_surge=None)).startswith("max_surge: must be a")
-        cross = {k: v for k, v in body(server_type="mindie_cross_node", replicas=1, cross_node_num=2,
-                                       resource_requests={"cpu_core": 1000, "npu_type": "Ascend910",
-                                                          "npu_chip_num": 8}).items()
-                 if k not in ("termination_grace_period_seconds", "max_unavailable", "max_surge")}
+        cross = cross_body()
         assert refused("POST", "/v1/servers", 400, json=cross).startswith("server_type: 'mindie_cross_node' is not")
         assert refused("GET", "/v1/servers/nothing-here", 404) == "server 'nothing-here' not found"
         assert refused("GET", "/v1/servers/Bad_Name", 400).startswith("server_name: must be a name")
@@ -407,9 +548,11 @@ def test_rest_api_refusals(kube):
         assert fake.calls == []
         assert http.post("/v1/servers", json=body()).status_code == 200
         assert refused("POST", "/v1/servers", 400, json=body(server_name="other")).startswith(
-            "server_name: server 'mindie-server' is deployed")
+            "server_name: server 'mindie-server' is deployed"
+        )
         assert refused("POST", "/v1/servers/mindie-server", 400, json={"server_name": "other"}).startswith(
-            "server_name: 'other' does not match")
+            "server_name: 'other' does not match"
+        )
         assert refused("POST", "/v1/servers/mindie-server", 400, json={"name": "x"}).startswith("name: unknown key")
     ops = Path(running.config.operation_log_path).read_text().splitlines()
     assert any("POST /v1/servers -> 200" in line for line in ops) and any("-> 405" in line for line in ops)
@@ -441,11 +584,13 @@ def test_ms_server_json_rules(tmp_path: Path):
     assert local.ip == "127.0.0.2" and local.k8s_tls is None
     assert any("no effect with the local target" in w for w in local.warnings)
     assert load_deployer_config(str(path), target="kubernetes").k8s_port == 6443
-    for change, key in (({"port": 80}, "port"), ({"ip": "::1"}, "ip"), ({"server_tls_enable": False, "ip": "10.1.1.1"},
-                                                                         "server_tls_enable"),
-                        ({"log_info": {"log_level": "LOUD", "run_log_path": "a", "operation_log_path": "b"}},
-                         "log_info.log_level"),
-                        ({"client_mindie_server_tls_enable": True}, "client_mindie_tls_items")):
+    for change, key in (
+        ({"port": 80}, "port"),
+        ({"ip": "::1"}, "ip"),
+        ({"server_tls_enable": False, "ip": "10.1.1.1"}, "server_tls_enable"),
+        ({"log_info": {"log_level": "LOUD", "run_log_path": "a", "operation_log_path": "b"}}, "log_info.log_level"),
+        ({"client_mindie_server_tls_enable": True}, "client_mindie_tls_items"),
+    ):
         with pytest.raises(Exception, match=f"^{key}"):
             deployer_config_from_dict(ms_server_json(tmp_path, **change), environ={})
     no_tls_flag = {k: v for k, v in ms_server_json(tmp_path).items() if k != "server_tls_enable"}
@@ -456,30 +601,39 @@ def test_ms_server_json_rules(tmp_path: Path):
 NOW = dt.datetime.now(dt.timezone.utc)
 
 
-def _cert(cn: str, org: str | None, issuer: tuple[x509.Name, Any] | None, ip: str | None = None,
-          ca: bool = False) -> tuple[x509.Certificate, Any]:
+def _cert(
+    cn: str, org: str | None, issuer: tuple[x509.Name, Any] | None, ip: str | None = None, ca: bool = False
+) -> tuple[x509.Certificate, Any]:
     key = ec.generate_private_key(ec.SECP256R1())
     attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
     if org:
         attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
     name = x509.Name(attrs)
     issuer_name, issuer_key = issuer or (name, key)
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name).public_key(key.public_key())
-               .serial_number(x509.random_serial_number()).not_valid_before(NOW - dt.timedelta(days=1))
-               .not_valid_after(NOW + dt.timedelta(days=30))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(days=1))
+        .not_valid_after(NOW + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ip:
         import ipaddress
 
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
-                                        critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False
+        )
     return builder.sign(issuer_key, hashes.SHA256()), key
 
 
 def _write(directory: Path, name: str, cert: x509.Certificate, key: Any) -> None:
     (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / f"{name}.key.pem").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (directory / f"{name}.key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     (directory / f"{name}.key.pem").chmod(0o600)
 
 
@@ -503,24 +657,48 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def msctl(home: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "mindie_host.cli", "msctl", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "mindie_host.cli", "msctl", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=60,
+    )
 
 
 def test_msctl_over_tls_with_the_specs_client_identity(tmp_path: Path, pki: Path):
-    items = {"ca_cert": str(pki / "ca.pem"), "tls_cert": str(pki / "msserver.pem"),
-             "tls_key": str(pki / "msserver.key.pem"), "tls_passwd": "", "kmcKsfMaster": "", "kmcKsfStandby": "",
-             "tls_crl": ""}
+    items = {
+        "ca_cert": str(pki / "ca.pem"),
+        "tls_cert": str(pki / "msserver.pem"),
+        "tls_key": str(pki / "msserver.key.pem"),
+        "tls_passwd": "",
+        "kmcKsfMaster": "",
+        "kmcKsfStandby": "",
+        "tls_crl": "",
+    }
     cfg = ms_server_json(tmp_path, server_tls_items=items)
     del cfg["server_tls_enable"]
     config = deployer_config_from_dict(cfg, target="kubernetes", environ={})
     home = tmp_path / "home"
     (home / ".mindie_ms").mkdir(parents=True)
     msctl_json = home / ".mindie_ms" / "msctl.json"
-    msctl_json.write_text(json.dumps({"http": {"dstPort": config.port, "dstIP": "127.0.0.1",
-                                               "ca_cert": "ca.pem", "tls_cert": "msclientuser.pem",
-                                               "tls_key": "msclientuser.key.pem", "tls_crl": "", "timeout": 60},
-                                      "log_level": "INFO"}))
+    msctl_json.write_text(
+        json.dumps(
+            {
+                "http": {
+                    "dstPort": config.port,
+                    "dstIP": "127.0.0.1",
+                    "ca_cert": "ca.pem",
+                    "tls_cert": "msclientuser.pem",
+                    "tls_key": "msclientuser.key.pem",
+                    "tls_crl": "",
+                    "timeout": 60,
+                },
+                "log_level": "INFO",
+            }
+        )
+    )
     msctl_json.chmod(0o640)
     request = tmp_path / "infer_server.json"
     request.write_text(json.dumps(body()))
@@ -563,7 +741,95 @@ def test_deployer_command_refuses_a_bad_config_with_one_line(tmp_path: Path):
     cfg["port"] = 99999
     path.write_text(json.dumps(cfg))
     path.chmod(0o600)
-    out = subprocess.run([sys.executable, "-m", "mindie_host.cli", "deployer", str(path)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "mindie_host.cli", "deployer", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2
     assert out.stderr.strip() == "mindie-host deployer: port: got 99999; allowed an integer in [1024, 65535]"
+
+
+# -- hostile input and the local target's own refusals -------------------------------------------------------------
+def test_hostile_bodies_get_a_4xx_that_names_the_problem(kube):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_fuzz import HOSTILE, RAW, json_values
+
+    running, fake, _ = kube
+    keys = sorted(body()) + ["namespace", "cross_node_num", "npu_fault_reschedule", "image", ""]
+    nested = {
+        "resource_requests": ["memory", "cpu_core", "npu_type", "npu_chip_num", "gpu"],
+        "mindie_server_config": ["mies_install_path", "infer_port", "management_port", "enable_tls", "x"],
+    }
+
+    @st.composite
+    def mutated(draw: st.DrawFn) -> Any:
+        out = body()
+        for _ in range(draw(st.integers(1, 3))):
+            key = draw(st.sampled_from(keys))
+            if key in nested and draw(st.booleans()):
+                out[key] = dict(out[key]) if isinstance(out[key], dict) else {}
+                out[key][draw(st.sampled_from(nested[key]))] = draw(HOSTILE)
+            elif draw(st.integers(0, 4)) == 0:
+                out.pop(key, None)
+            else:
+                out[key] = draw(HOSTILE)
+        return out
+
+    client = httpx.Client(base_url=running.url, timeout=30)
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    @given(
+        payload=st.one_of(mutated(), mutated(), json_values),
+        raw=RAW,
+        use_raw=st.integers(0, 5),
+        name=st.sampled_from(["mindie-server", "x" * 300, "A", "-", "%2e%2e"]),
+    )
+    def run(payload: Any, raw: bytes, use_raw: int, name: str) -> None:
+        content = raw if use_raw == 0 else json.dumps(payload, ensure_ascii=False).encode()
+        for method, path in (("POST", "/v1/servers"), ("POST", f"/v1/servers/{name}"), ("GET", f"/v1/servers/{name}")):
+            resp = client.request(method, path, content=content if method == "POST" else None)
+            assert resp.status_code in (200, 400, 404), (method, path, payload, resp.text)
+            answer = resp.json()
+            assert answer["status"] == ("0" if resp.status_code == 200 else "1") and answer["message"]
+            if method == "POST" and path == "/v1/servers" and resp.status_code == 200:  # a valid one: clear it again
+                assert client.delete(f"/v1/servers/{payload['server_name']}").status_code == 200
+
+    try:
+        run()
+    finally:
+        client.close()
+    assert httpx.get(f"{running.url}/v1/servers/none").status_code == 404  # still serving
+
+
+def test_local_target_refuses_what_it_cannot_run(tmp_path: Path):
+    import socket
+
+    from mindie_host.ms.deployer.local import LocalTarget
+    from mindie_host.ms.tls import TLSLink
+
+    target = LocalTarget(tmp_path / "work", None, TLSLink("mindie_client", False, tmp_path))
+    here = {"mies_install_path": str(tmp_path), "infer_port": 1025, "management_port": 1026, "enable_tls": False}
+    with pytest.raises(SpecError, match="^scheduler: 'volcano' is a Kubernetes scheduler"):
+        target.check(parse_infer_server(body(scheduler="volcano", mindie_server_config=here)))
+    with pytest.raises(SpecError, match="^mindie_server_config.mies_install_path: .* is not a directory"):
+        target.check(parse_infer_server(body(mindie_server_config={**here, "mies_install_path": "/no/such/dir"})))
+    cross = cross_body(mindie_server_config=here)
+    with pytest.raises(SpecError, match="^server_type: 'mindie_cross_node' needs the kubernetes target"):
+        target.check(parse_infer_server(cross))
+    with socket.socket() as busy:  # a service_port something else holds
+        for port in range(30000 + free_port() % 2000, 32767):
+            try:
+                busy.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        busy.listen()
+        with pytest.raises(SpecError, match=f"^service_port: 127.0.0.1:{port} is in use"):
+            target.check(parse_infer_server(body(service_port=port, mindie_server_config=here)))
+    target.check(parse_infer_server(body(service_port=port, mindie_server_config=here)))

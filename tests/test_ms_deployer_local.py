@@ -41,8 +41,13 @@ class Deployment:
     old_pods: list[str] = field(default_factory=list)
 
     def msctl(self, *args: str) -> tuple[int, dict[str, Any]]:
-        out = subprocess.run([sys.executable, "-m", "mindie_host.cli", "msctl", *args], capture_output=True,
-                             text=True, env={**os.environ, "HOME": str(self.home)}, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "mindie_host.cli", "msctl", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HOME": str(self.home)},
+            timeout=120,
+        )
         assert out.stdout, out.stderr
         return out.returncode, json.loads(out.stdout)
 
@@ -75,38 +80,95 @@ def _write(path: Path, data: Any) -> Path:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("deployer-local")
-    cfg = server_config(tiny_model, deploy={"maxSeqLen": 2048, "maxInputTokenLen": 256},
-                        schedule={"maxBatchSize": 16, "maxPrefillBatchSize": 16, "maxIterTimes": 2000},
-                        model={"maxKvBlocks": 600, "cpuMemSize": 1})
+    cfg = server_config(
+        tiny_model,
+        deploy={"maxSeqLen": 2048, "maxInputTokenLen": 256},
+        schedule={"maxBatchSize": 16, "maxPrefillBatchSize": 16, "maxIterTimes": 2000},
+        model={"maxKvBlocks": 600, "cpuMemSize": 1},
+    )
     port = free_port()
     (tmp / "mies").mkdir()
     files = {
         "config": _write(tmp / "config.json", cfg),
-        "ms_server": _write(tmp / "ms_server.json", {
-            "ip": "127.0.0.1", "port": port, "ms_status_file": str(tmp / "status.json"),
-            "log_info": {"log_level": "INFO", "run_log_path": str(tmp / "logs/run.txt"),
-                         "operation_log_path": str(tmp / "logs/operation.txt")},
-            "server_tls_enable": False, "client_mindie_server_tls_enable": False}),
-        "infer_server": _write(tmp / "infer_server.json", {
-            "server_name": "tiny", "replicas": 2, "service_port": SERVICE_PORT, "service_type": "NodePort",
-            "server_type": "mindie_single_node", "scheduler": "default", "init_delay": 60,
-            "detect_server_inner_error": True, "liveness_timeout": 30, "liveness_failure_threshold": 3,
-            "readiness_timeout": 30, "readiness_failure_threshold": 1,
-            "resource_requests": {"memory": 2000, "cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 1},
-            "mindie_server_config": {"mies_install_path": str(tmp / "mies"), "infer_port": 1025,
-                                     "management_port": 1026, "enable_tls": False},
-            "termination_grace_period_seconds": 120, "max_unavailable": "50%", "max_surge": "50%"}),
+        "ms_server": _write(
+            tmp / "ms_server.json",
+            {
+                "ip": "127.0.0.1",
+                "port": port,
+                "ms_status_file": str(tmp / "status.json"),
+                "log_info": {
+                    "log_level": "INFO",
+                    "run_log_path": str(tmp / "logs/run.txt"),
+                    "operation_log_path": str(tmp / "logs/operation.txt"),
+                },
+                "server_tls_enable": False,
+                "client_mindie_server_tls_enable": False,
+            },
+        ),
+        "infer_server": _write(
+            tmp / "infer_server.json",
+            {
+                "server_name": "tiny",
+                "replicas": 2,
+                "service_port": SERVICE_PORT,
+                "service_type": "NodePort",
+                "server_type": "mindie_single_node",
+                "scheduler": "default",
+                "init_delay": 60,
+                "detect_server_inner_error": True,
+                "liveness_timeout": 30,
+                "liveness_failure_threshold": 3,
+                "readiness_timeout": 30,
+                "readiness_failure_threshold": 1,
+                "resource_requests": {"memory": 2000, "cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 1},
+                "mindie_server_config": {
+                    "mies_install_path": str(tmp / "mies"),
+                    "infer_port": 1025,
+                    "management_port": 1026,
+                    "enable_tls": False,
+                },
+                "termination_grace_period_seconds": 120,
+                "max_unavailable": "50%",
+                "max_surge": "50%",
+            },
+        ),
         "update": _write(tmp / "update_server.json", {"server_name": "tiny"}),
     }
     home = tmp / "home"
     (home / ".mindie_ms").mkdir(parents=True)
-    _write(home / ".mindie_ms" / "msctl.json", {
-        "http": {"dstPort": port, "dstIP": "127.0.0.1", "tls_enable": False, "ca_cert": "", "tls_cert": "",
-                 "tls_key": "", "tls_crl": "", "timeout": 60}, "log_level": "INFO"})
+    _write(
+        home / ".mindie_ms" / "msctl.json",
+        {
+            "http": {
+                "dstPort": port,
+                "dstIP": "127.0.0.1",
+                "tls_enable": False,
+                "ca_cert": "",
+                "tls_cert": "",
+                "tls_key": "",
+                "tls_crl": "",
+                "timeout": 60,
+            },
+            "log_level": "INFO",
+        },
+    )
     log = open(tmp / "deployer.out", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", "deployer", str(files["ms_server"]),
-                             "--server-config", str(files["config"]), "--workdir", str(tmp / "work")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mindie_host.cli",
+            "deployer",
+            str(files["ms_server"]),
+            "--server-config",
+            str(files["config"]),
+            "--workdir",
+            str(tmp / "work"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     dep = Deployment(tmp / "work", home, proc, files)
     try:
         deadline = time.monotonic() + 60
@@ -129,12 +191,17 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
 
 
 def chat(n: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": f"Tell story {n}"}], "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"Tell story {n}"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
-def stream_once(client: httpx.Client, url: str, body: dict[str, Any], started: threading.Event | None = None
-                ) -> str:
+def stream_once(client: httpx.Client, url: str, body: dict[str, Any], started: threading.Event | None = None) -> str:
     """One streamed chat; "ok" when it ended with finish_reason length, every token counted, and [DONE]."""
     usage, finish, events = None, None, 0
     with client.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
@@ -171,8 +238,9 @@ def plain_once(client: httpx.Client, url: str, body: dict[str, Any]) -> str:
 def test_create_get_and_serve(deployment: Deployment):
     code, answer = deployment.msctl("create", "infer_server", "-f", str(deployment.files["infer_server"]))
     assert (code, answer) == (0, {"message": "creating the server!", "status": "0"})
-    items = deployment.wait(lambda items: len(items) == 2 and all(i["readiness"] for i in items), 600,
-                            "two ready instances")
+    items = deployment.wait(
+        lambda items: len(items) == 2 and all(i["readiness"] for i in items), 600, "two ready instances"
+    )
     assert all(i["liveness"] and i["pod_name"].startswith("tiny-") for i in items)
     deployment.old_pods = [i["pod_name"] for i in items]
     code, answer = deployment.msctl("get", "infer_server", "-n", "tiny")
@@ -200,8 +268,9 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
             k = 0
             while not stop.is_set():
                 body = chat(1000 * n + k, 24)
-                results[kind].append(stream_once(client, url, body) if kind == "stream" else
-                                     plain_once(client, url, body))
+                results[kind].append(
+                    stream_once(client, url, body) if kind == "stream" else plain_once(client, url, body)
+                )
                 k += 1
 
     started = [threading.Event() for _ in range(4)]
@@ -230,9 +299,11 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
         assert outcomes and all(o == "ok" for o in outcomes), (kind, [o for o in outcomes if o != "ok"][:5])
     assert len(results["long"]) == 4
     # the long streams began on the old instances and were still running when the first of those was drained
-    drains = [dt.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-              for line in (deployment.workdir.parent / "logs" / "run.txt").read_text().splitlines()
-              if "tiny: draining tiny-" in line]
+    drains = [
+        dt.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in (deployment.workdir.parent / "logs" / "run.txt").read_text().splitlines()
+        if "tiny: draining tiny-" in line
+    ]
     assert len(drains) == 2 and min(long_ended) > min(drains), (drains, long_ended)
     coordinator_log = (deployment.server_dir / "logs" / "coordinator.log").read_text()
     assert "Apply connection to node failed" not in coordinator_log  # no request reached a stopping server
@@ -245,8 +316,7 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
 def _pid_of(deployment: Deployment, pod_name: str) -> int:
     """The server process of ``pod_name``, from the deployer's run log (its latest start)."""
     run_log = (deployment.workdir.parent / "logs" / "run.txt").read_text()
-    pids = [int(line.split("(pid ")[1].split(",")[0]) for line in run_log.splitlines()
-            if f" {pod_name} (pid " in line]
+    pids = [int(line.split("(pid ")[1].split(",")[0]) for line in run_log.splitlines() if f" {pod_name} (pid " in line]
     assert pids, f"{pod_name} is not in the run log"
     return pids[-1]
 
@@ -255,12 +325,16 @@ def test_a_killed_instance_is_restarted(deployment: Deployment):
     items = deployment.instances()
     victim = items[0]["pod_name"]
     os.kill(_pid_of(deployment, victim), signal.SIGKILL)
-    deployment.wait(lambda items: any(i["pod_name"] == victim and not i["readiness"] for i in items), 60,
-                    f"{victim} to be seen down")
+    deployment.wait(
+        lambda items: any(i["pod_name"] == victim and not i["readiness"] for i in items),
+        60,
+        f"{victim} to be seen down",
+    )
     resp = httpx.post(f"{deployment.url}/v1/chat/completions", json=chat(7, 8), timeout=60)
     assert resp.status_code == 200  # the other instance serves meanwhile
-    deployment.wait(lambda items: len(items) == 2 and all(i["readiness"] for i in items), 300,
-                    f"{victim} to be restarted")
+    deployment.wait(
+        lambda items: len(items) == 2 and all(i["readiness"] for i in items), 300, f"{victim} to be restarted"
+    )
     assert victim in {i["pod_name"] for i in deployment.instances()}
 
 
