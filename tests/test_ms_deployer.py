@@ -106,13 +106,13 @@ def body(**changes: Any) -> dict[str, Any]:
 
 def cross_body(**changes: Any) -> dict[str, Any]:
     """A valid multi-node body (Table 3-9: one replica over 2 nodes of 8 NPUs, no rolling-update keys)."""
-    out = body(
-        server_type="mindie_cross_node",
-        replicas=1,
-        cross_node_num=2,
-        resource_requests={"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 8},
-        **changes,
-    )
+    cross = {
+        "server_type": "mindie_cross_node",
+        "replicas": 1,
+        "cross_node_num": 2,
+        "resource_requests": {"cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 8},
+    }
+    out = body(**{**cross, **changes})
     for key in ("termination_grace_period_seconds", "max_unavailable", "max_surge"):
         del out[key]
     return out
