@@ -833,3 +833,89 @@ def test_local_target_refuses_what_it_cannot_run(tmp_path: Path):
         with pytest.raises(SpecError, match=f"^service_port: 127.0.0.1:{port} is in use"):
             target.check(parse_infer_server(body(service_port=port, mindie_server_config=here)))
     target.check(parse_infer_server(body(service_port=port, mindie_server_config=here)))
+
+
+def test_local_target_with_tls_wires_every_link(tmp_path: Path, pki: Path):
+    """enable_tls: the coordinator and controller reach the servers with client_mindie_tls_items, and the user
+    port serves the servers' own certificate (the configs load and their TLS contexts build)."""
+    from mindie_host.ms.controller.config import load_controller_config
+    from mindie_host.ms.coordinator.app import Coordinator
+    from mindie_host.ms.coordinator.config import load_coordinator_config
+    from mindie_host.ms.deployer.local import LocalTarget
+    from mindie_host.ms.tls import TLSLink
+
+    server_cfg = default_config_dict()
+    server_cfg["ServerConfig"].update(
+        httpsEnabled=True,
+        tlsCaPath=".",
+        tlsCaFile=["ca.pem"],
+        tlsCert="msserver.pem",
+        tlsPk="msserver.key.pem",
+        tlsPkPwd="",
+    )
+    client = TLSLink(
+        "mindie_client", True, pki, ca_cert="ca.pem", tls_cert="msclientuser.pem", tls_key="msclientuser.key.pem"
+    )
+    target = LocalTarget(tmp_path / "work", None, client)
+    spec = parse_infer_server(
+        body(
+            mindie_server_config={
+                "mies_install_path": str(pki),
+                "infer_port": 1025,
+                "management_port": 1026,
+                "enable_tls": True,
+            }
+        )
+    )
+    cluster = target._cluster(spec, server_cfg)
+    cluster.write_configs()
+    coord = load_coordinator_config(str(cluster.workdir / "ms_coordinator.json"), environ={})
+    assert all(coord.tls[link].enabled for link in ("mindie_client", "mindie_mangment", "request_server"))
+    assert coord.tls["request_server"].tls_cert == str(pki / "msserver.pem")
+    assert coord.tls["mindie_client"].tls_cert == str(pki / "msclientuser.pem")
+    assert coord.tls["request_server"].server_context() is not None
+    assert (coord.predict_ip, coord.predict_port) == ("127.0.0.1", 31005)
+    Coordinator(coord)  # builds its HTTPS clients to the servers from those files
+    ctl = load_controller_config(str(cluster.workdir / "ms_controller.json"), environ={})
+    assert ctl.tls["request_server"].enabled and isinstance(ctl.tls["request_server"].client_context(), ssl.SSLContext)
+    assert all(s["scheme"] == "https" for s in cluster.servers)
+
+
+def test_kubernetes_client_takes_the_api_servers_tls_items(tmp_path: Path, pki: Path):
+    from kubernetes.client import ApiClient
+
+    from mindie_host.ms.deployer.kube import api_client
+
+    key = serialization.load_pem_private_key((pki / "msclientuser.key.pem").read_bytes(), None)
+    (tmp_path / "kube.key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"s3cret"),
+        )
+    )
+    (tmp_path / "pwd.txt").write_text("s3cret\n")
+    items = {
+        "ca_cert": str(pki / "ca.pem"),
+        "tls_cert": str(pki / "msclientuser.pem"),
+        "tls_key": str(tmp_path / "kube.key.pem"),
+        "tls_passwd": str(tmp_path / "pwd.txt"),
+        "tls_crl": "",
+    }
+    config = deployer_config_from_dict(
+        ms_server_json(tmp_path, client_k8s_tls_enable=True, client_k8s_tls_items=items),
+        target="kubernetes",
+        environ={},
+    )
+    api = api_client(config)
+    assert isinstance(api, ApiClient)
+    conf = api.configuration
+    assert (conf.host, conf.ssl_ca_cert, conf.cert_file) == (
+        "https://10.0.0.1:6443",
+        items["ca_cert"],
+        items["tls_cert"],
+    )
+    # urllib3 cannot take a key password: the key is handed over decrypted, in a private file
+    assert conf.key_file != items["tls_key"] and os.stat(conf.key_file).st_mode & 0o077 == 0
+    assert serialization.load_pem_private_key(Path(conf.key_file).read_bytes(), None).public_key() == key.public_key()
+    api.close()
