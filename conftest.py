@@ -1,4 +1,4 @@
-"""Suite-wide memory hygiene: the whole test run must stay well under 8 GB.
+"""Suite-wide memory hygiene (the whole test run must stay well under 8 GB), and private file modes.
 
 Most integration tests run a real server in this process (on a thread), so model weights, KV pools and
 transformers reference models come and go module by module. Freed tensors return to glibc's heaps, which
@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 
 import pytest
+
+# Files the tests write are private (0600, directories 0700), as an operator's umask 077 makes them: the
+# MINDIE_CHECK_INPUTFILES_PERMISSION check, on by default, refuses configs above 0640 and keys above 0600.
+# Tests of the check itself set modes explicitly.
+os.umask(0o077)
 
 _M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from mindie_host.testing import free_port
+from mindie_host.testing import free_port, private_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varied_load import make_prompts, run  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> None:
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "mindie_host.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--management-port", str(mport), "--metrics-port", str(xport), "--config", a.config],
+             "--management-port", str(mport), "--metrics-port", str(xport), "--config", private_copy(a.config)],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir(),
         )
     result: dict[str, Any] = {"config": a.config, "cache": "given" if a.cache_dir else "fresh"}

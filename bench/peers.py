@@ -63,7 +63,7 @@ from typing import Any
 
 import httpx
 
-from mindie_host.testing import free_port
+from mindie_host.testing import free_port, private_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = Path(os.environ.get("LOADGEN", ROOT.parent / "shared" / "peers" / "loadgen.py"))
@@ -93,7 +93,7 @@ def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[s
            "--management-port", str(mport), "--metrics-port", str(xport)]
     config = args.config if config is None else config
     if config:
-        cmd += ["--config", config]
+        cmd += ["--config", private_copy(config)]  # a checkout leaves it 0644: the mode check wants 0640
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     if args.device:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .file_modes import CONFIG_MODE, FileModeError, check_mode
+
 __all__ = [
     "CONFIG_VERSION",
     "DEVIATIONS",
@@ -1006,11 +1008,21 @@ def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[
     """Read and check a ``config.json``.
 
     With ``path`` None the file named by ``MIES_CONFIG_JSON_PATH`` is read; if that is
-    unset too, :class:`ConfigError` is raised.  The file must be 1 byte to 10 MB of JSON.
+    unset too, :class:`ConfigError` is raised.  The file must be 1 byte to 10 MB of JSON,
+    with mode 0640 at most unless ``MINDIE_CHECK_INPUTFILES_PERMISSION=0``.
     """
     env = os.environ if environ is None else environ
     resolved = _resolve_path(path, env)
+    _check_file_mode(resolved, env)
     return config_from_dict(_read_json(resolved), source_path=resolved, environ=env)
+
+
+def _check_file_mode(path: str, env: Mapping[str, str]) -> None:
+    """``MINDIE_CHECK_INPUTFILES_PERMISSION``: a config file has mode 0640 at most (:mod:`mindie_host.file_modes`)."""
+    try:
+        check_mode(path, CONFIG_MODE, "a config file", env=env)
+    except FileModeError as err:
+        raise ConfigError(err.path, err.got, err.allowed) from None
 
 
 def validate_config_file(path: str | os.PathLike[str] | None, *, environ: Mapping[str, str] | None = None) -> list[str]:
@@ -1022,6 +1034,7 @@ def validate_config_file(path: str | os.PathLike[str] | None, *, environ: Mappin
     env = os.environ if environ is None else environ
     try:
         resolved = _resolve_path(path, env)
+        _check_file_mode(resolved, env)
         data = _read_json(resolved)
     except ConfigError as err:
         return [f"error: {err}"]

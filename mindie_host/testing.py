@@ -42,6 +42,19 @@ def free_port() -> int:
                 return port
 
 
+def private_copy(path: str | os.PathLike[str]) -> str:
+    """A copy of a config file with mode 0640, for files a git checkout leaves at 0644 (the file-mode check refuses those).
+
+    The copy lives in a fresh temporary directory; relative paths inside the config then start there.
+    """
+    import tempfile
+
+    from .file_modes import CONFIG_MODE, write_file
+
+    target = Path(tempfile.mkdtemp(prefix="mindie-config-")) / Path(path).name
+    return str(write_file(target, Path(path).read_bytes(), CONFIG_MODE))
+
+
 def make_tiny_llama(
     directory: str | Path,
     *,

@@ -209,3 +209,16 @@ def test_pd_probe_paths_exist_on_the_servers(apps):
                 assert _serves(app, get["path"]), f"{dep['metadata']['name']} {kind}: {get['path']}"
                 probes += 1
     assert probes == 9
+
+
+def test_config_maps_mount_with_modes_the_file_check_accepts():
+    """MINDIE_CHECK_INPUTFILES_PERMISSION (on by default) refuses configs above 0640; a ConfigMap's default is 0644."""
+    mounts = 0
+    deployments = [*by_kind("Deployment").values(),
+                   *(d for d in pd_documents(PD, PD / "heterogeneous") if d["kind"] == "Deployment")]
+    for dep in deployments:
+        for volume in dep["spec"]["template"]["spec"]["volumes"]:
+            if "configMap" in volume:
+                assert volume["configMap"]["defaultMode"] & ~0o640 == 0, volume
+                mounts += 1
+    assert mounts >= 7

@@ -29,6 +29,7 @@ from typing import IO, Any
 import httpx
 
 from ..config import default_config_dict
+from ..file_modes import write_file
 from ..testing import free_port
 from .controller.config import default_controller_dict
 from .coordinator.config import default_coordinator_dict
@@ -98,12 +99,12 @@ class Cluster:
             "http_server": {"ip": "127.0.0.1", "port": self.controller_port},
         })
         _deep_update(ctl, self.controller_overrides)
-        (self.workdir / "ms_controller.json").write_text(json.dumps(ctl, indent=2))
+        write_file(self.workdir / "ms_controller.json", json.dumps(ctl, indent=2))
         coord = default_coordinator_dict()
         _deep_update(coord, {"http_config": {"predict_port": str(self.predict_port),
                                              "manage_port": str(self.manage_port)}})
         _deep_update(coord, self.coordinator_overrides)
-        (self.workdir / "ms_coordinator.json").write_text(json.dumps(coord, indent=2))
+        write_file(self.workdir / "ms_coordinator.json", json.dumps(coord, indent=2))
 
     def add_server(self, config: dict[str, Any] | None = None) -> int:
         """Write ``server-K.json`` for one more server (``config``, else the base config) on free ports; returns K."""
@@ -115,7 +116,7 @@ class Cluster:
         if s.get("inferMode") == "dmi":  # PD: each server's inter-instance port, all on one machine
             s["interCommPort"] = free_port()
         path = self.workdir / f"server-{k}.json"
-        path.write_text(json.dumps(cfg, indent=2))
+        write_file(path, json.dumps(cfg, indent=2))
         self.servers.append({"config": str(path), "ip": "127.0.0.1", "port": s["port"],
                              "management_port": s["managementPort"], "metric_port": s["metricsPort"],
                              "scheme": "https" if s.get("httpsEnabled") else "http"})
@@ -137,10 +138,7 @@ class Cluster:
                     for srv in listed]},
             ],
         }
-        path = self.workdir / "global_rank_table.json"
-        partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(rank_table, indent=2))
-        os.replace(partial, path)
+        write_file(self.workdir / "global_rank_table.json", json.dumps(rank_table, indent=2))  # atomic, 0640
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> None:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 from typing import Any
 
-from ..config import ConfigError, _read_json
+from ..config import ConfigError, _check_file_mode, _read_json
 
 __all__ = ["ConfigError", "Section", "read_json_file"]
 
 
 def read_json_file(path: str) -> Any:
-    """A JSON file, with the same file-level errors as ``config.json`` (size, UTF-8, syntax)."""
+    """A JSON file, with the same file-level errors as ``config.json`` (size, UTF-8, syntax, mode at most 0640)."""
+    _check_file_mode(path, os.environ)
     return _read_json(path)
 
 

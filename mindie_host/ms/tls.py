@@ -20,7 +20,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..server.security import TLSConfigError, _read_password, build_ssl_context, resolve
+from ..server.security import TLSConfigError, _read_password, build_ssl_context, check_tls_file_modes, resolve
 from .schema import ConfigError, Section
 
 ITEM_KEYS = ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl")
@@ -62,6 +62,8 @@ class TLSLink:
         ca = self._path(self.ca_cert)
         if ca is not None and not ca.is_file():
             raise TLSConfigError(f"{self.name}: CA file {ca} does not exist")
+        check_tls_file_modes([ca, self._path(self.tls_cert), self._path(self.tls_key), self._path(self.tls_passwd),
+                              self._path(self.tls_crl)], self.name)
         ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         cert, key = self._path(self.tls_cert), self._path(self.tls_key)

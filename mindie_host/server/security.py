@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..file_modes import SECRET_MODE, FileModeError, check_mode
 from ..logs import bind_request_id, reset_request_id
 
 if TYPE_CHECKING:
@@ -127,6 +128,17 @@ def _check_key_strength(key_path: Path, password: str | None) -> None:
         )
 
 
+def check_tls_file_modes(paths: list[Path | None], what: str) -> None:
+    """``MINDIE_CHECK_INPUTFILES_PERMISSION``: certificates, keys, CA/CRL and password files at most 0600."""
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            check_mode(path, SECRET_MODE, f"a TLS file of the {what}")
+        except FileModeError as exc:
+            raise TLSConfigError(f"{what}: {exc}") from None
+
+
 def build_ssl_context(
     cert: Path, key: Path, password_file: Path | None, ca_files: list[Path], crl_files: list[Path], what: str
 ) -> ssl.SSLContext:
@@ -134,6 +146,7 @@ def build_ssl_context(
     for path, name in ((cert, "certificate"), (key, "private key")):
         if not path.is_file():
             raise TLSConfigError(f"{what}: TLS {name} {path} does not exist")
+    check_tls_file_modes([cert, key, password_file, *ca_files, *crl_files], what)
     password = _read_password(password_file)
     _check_key_strength(key, password)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
