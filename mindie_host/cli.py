@@ -32,6 +32,7 @@ from .plugins import (
     installed_plugins,
 )
 from .quant.cli import add_quantize_parser, cmd_quantize
+from .tools.certs import add_certs_parser
 from .tools.config_upgrade import add_upgrade_parser, cmd_upgrade
 
 
@@ -224,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmark a server or the engine (see `mindie-host bench --help`)", add_help=False)
     add_quantize_parser(sub)
     add_ms_parsers(sub)
+    add_certs_parser(sub)
     return p
 
 
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_quantize(args)
         if args.cmd in MS_COMMANDS:
             return run_ms_command(args)
+        if hasattr(args, "run"):  # the operator tools (mindie_host/tools) register themselves this way
+            return int(args.run(args))
     except (ConfigError, PluginError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)
         return 2

@@ -27,8 +27,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "Version": "the config format version; checked, then informational",
     "BackendConfig.backendName": "the spec allows one value, mindieservice_llm_engine; checked, then informational",
     "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
-    "ServerConfig.kmcKsfMaster": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
-    "ServerConfig.kmcKsfStandby": "Huawei KMC key stores: this host does not decrypt KMC-protected key passwords",
 }
 #: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
 NO_EFFECT_PREFIXES: dict[str, str] = {

@@ -1,10 +1,11 @@
 """TLS for the MS links: one ``*_tls_enable`` flag and one ``*_tls_items`` object per link.
 
-Items (spec §4.2/§4.3): ``ca_cert``, ``tls_cert``, ``tls_key``, ``tls_passwd``, the KMC key
+Items (spec §4.2/§4.3): ``ca_cert``, ``tls_cert``, ``tls_key``, ``tls_passwd``, the master-key
 files (``kmcKsfMaster``/``kmcKsfStandby`` in the coordinator, ``kmc_ksf_master``/``kmc_ksf_standby``
-in the controller; this host has no KMC, so they are accepted and not read) and ``tls_crl``
-(empty: no revocation check). ``tls_passwd`` names a file holding the key's password in plain
-text. Relative paths start at the config file's directory (``MIES_INSTALL_PATH`` when set).
+in the controller; either spelling is taken) and ``tls_crl`` (empty: no revocation check).
+``tls_passwd`` names a file holding the key's password encrypted under those master-key files
+(:mod:`mindie_host.keystore`; plain text is read with a warning). Relative paths start at the config
+file's directory (``MIES_INSTALL_PATH`` when set).
 
 A listening side (coordinator management and user ports, controller HTTP server) builds its
 context with the server's :func:`~mindie_host.server.security.build_ssl_context` (RSA keys of at
@@ -20,6 +21,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..keystore import SecretReader
 from ..server.security import TLSConfigError, _read_password, build_ssl_context, check_tls_file_modes, resolve
 from .schema import ConfigError, Section
 
@@ -39,9 +41,19 @@ class TLSLink:
     tls_key: str = ""
     tls_passwd: str = ""
     tls_crl: str = ""
+    kmc_master: str = ""
+    kmc_standby: str = ""
 
     def _path(self, value: str) -> Path | None:
         return resolve(self.base, value) if value else None
+
+    def secrets(self) -> SecretReader:
+        """Decrypts this link's key password under its master-key files."""
+        return SecretReader(self._path(self.kmc_master), self._path(self.kmc_standby), f"{self.name}_tls_items")
+
+    def password(self) -> str | None:
+        """The private key's password from ``tls_passwd`` (decrypted), or None."""
+        return _read_password(self._path(self.tls_passwd), self.secrets())
 
     def server_context(self) -> ssl.SSLContext | None:
         """The context for a listener on this link, or None when TLS is off."""
@@ -53,7 +65,7 @@ class TLSLink:
         ca = self._path(self.ca_cert)
         crl = self._path(self.tls_crl)
         return build_ssl_context(cert, key, self._path(self.tls_passwd), [ca] if ca else [], [crl] if crl else [],
-                                 what=self.name)
+                                 what=self.name, secrets=self.secrets())
 
     def client_context(self) -> ssl.SSLContext | bool:
         """What httpx takes as ``verify`` for calls on this link (False-free: plain HTTP uses True)."""
@@ -72,7 +84,7 @@ class TLSLink:
                 if not path.is_file():
                     raise TLSConfigError(f"{self.name}: {path} does not exist")
             try:
-                ctx.load_cert_chain(str(cert), str(key), password=_read_password(self._path(self.tls_passwd)))
+                ctx.load_cert_chain(str(cert), str(key), password=self.password())
             except ssl.SSLError as exc:
                 raise TLSConfigError(f"{self.name}: cannot load {cert} with {key}: {exc}") from exc
         crl = self._path(self.tls_crl)
@@ -114,7 +126,12 @@ def read_link(tls: Section, link: str, base: Path, *, enable_key: str = "", item
         if not isinstance(value, str):
             raise ConfigError(items.key(key), value, "a file path string")
         values[key] = value
+    kmc = {}
     for key in KMC_KEYS:
-        items.raw(key, required=False)
+        value = items.raw(key, required=False, default="")
+        if not isinstance(value, str):
+            raise ConfigError(items.key(key), value, "a file path string")
+        if value:
+            kmc["kmc_master" if key in ("kmcKsfMaster", "kmc_ksf_master") else "kmc_standby"] = value
     items.finish()
-    return TLSLink(link, True, base, **values)
+    return TLSLink(link, True, base, **values, **kmc)

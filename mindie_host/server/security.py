@@ -12,8 +12,9 @@ TLS (``httpsEnabled``):
 * relative paths are under ``MIES_INSTALL_PATH`` when set, else under the config
   file's directory, else the working directory; absolute paths are used as is;
 * an RSA server key shorter than 3072 bits is refused (the spec's rule);
-* ``tlsPkPwd`` names a file holding the key's password in plain text (MindIE keeps
-  it KMC-encrypted; this host has no KMC, ``kmcKsf*`` are accepted and ignored).
+* ``tlsPkPwd`` names a file holding the key's password, encrypted under the master key in
+  ``kmcKsfMaster``/``kmcKsfStandby`` (:mod:`mindie_host.keystore`; plain text is read with a
+  warning); ``apiKey`` may be such a token too.
 
 Business-plane requests pass through :class:`BusinessGuard`, a plain ASGI wrapper:
 request id and access log, ``apiKey`` bearer check (401; on a port the business
@@ -43,6 +44,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..file_modes import SECRET_MODE, FileModeError, check_mode
+from ..keystore import SecretReader
 from ..logs import bind_request_id, reset_request_id
 
 if TYPE_CHECKING:
@@ -104,10 +106,16 @@ def _files(base: Path, directory: str, names: list[str]) -> list[Path]:
     return [resolve(base, directory, name) for name in names if name]
 
 
-def _read_password(path: Path | None) -> str | None:
-    if path is None or not path.is_file():
-        return None
-    return path.read_text(encoding="utf-8").strip() or None
+def secret_reader(config: Config) -> SecretReader:
+    """Decrypts the server's secrets under ``kmcKsfMaster``/``kmcKsfStandby`` (relative to :func:`security_base`)."""
+    base, s = security_base(config), config.server
+    return SecretReader(resolve(base, s.kmcKsfMaster) if s.kmcKsfMaster else None,
+                        resolve(base, s.kmcKsfStandby) if s.kmcKsfStandby else None, "ServerConfig")
+
+
+def _read_password(path: Path | None, secrets: SecretReader | None = None) -> str | None:
+    """A key-password file's secret: a token decrypts under ``secrets``' keystore, plain text is used as it is."""
+    return (secrets or SecretReader(None, None, "this component")).read_file(path)
 
 
 def _check_key_strength(key_path: Path, password: str | None) -> None:
@@ -140,14 +148,15 @@ def check_tls_file_modes(paths: list[Path | None], what: str) -> None:
 
 
 def build_ssl_context(
-    cert: Path, key: Path, password_file: Path | None, ca_files: list[Path], crl_files: list[Path], what: str
+    cert: Path, key: Path, password_file: Path | None, ca_files: list[Path], crl_files: list[Path], what: str,
+    secrets: SecretReader | None = None,
 ) -> ssl.SSLContext:
     """A server-side context: our cert and key, client certificates required if CA files are given."""
     for path, name in ((cert, "certificate"), (key, "private key")):
         if not path.is_file():
             raise TLSConfigError(f"{what}: TLS {name} {path} does not exist")
     check_tls_file_modes([cert, key, password_file, *ca_files, *crl_files], what)
-    password = _read_password(password_file)
+    password = _read_password(password_file, secrets)
     _check_key_strength(key, password)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -188,6 +197,7 @@ def plane_ssl_context(config: Config, planes: tuple[str, ...]) -> ssl.SSLContext
             ca_files=_files(base, s.tlsCaPath, s.managementTlsCaFile),
             crl_files=_files(base, s.managementTlsCrlPath, s.managementTlsCrlFiles),
             what="management plane",
+            secrets=secret_reader(config),
         )
     return build_ssl_context(
         cert=resolve(base, s.tlsCert),
@@ -196,6 +206,7 @@ def plane_ssl_context(config: Config, planes: tuple[str, ...]) -> ssl.SSLContext
         ca_files=_files(base, s.tlsCaPath, s.tlsCaFile),
         crl_files=_files(base, s.tlsCrlPath, s.tlsCrlFiles),
         what="business plane" if "business" in planes else "management plane",
+        secrets=secret_reader(config),
     )
 
 
@@ -344,7 +355,8 @@ class BusinessGuard:
         self.gate = gate
         self.is_business = is_business
         self.ready = ready
-        self.api_key = config.server.apiKey.encode() if config.server.apiKey else None
+        key = secret_reader(config).reveal(config.server.apiKey, "ServerConfig.apiKey")
+        self.api_key = key.encode() if key else None
         #: the listener serves the business plane: then every route on it (management ones included) needs the key
         self.business_port = gate is not None if business_port is None else business_port
 

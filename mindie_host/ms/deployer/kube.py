@@ -58,27 +58,25 @@ def api_client(config: DeployerConfig) -> Any:
                 ("ca", link.ca_cert),
                 ("cert", link.tls_cert),
                 ("key", link.tls_key),
-                ("pwd", link.tls_passwd),
             )
         }
         conf.ssl_ca_cert = paths["ca"] or None
         conf.cert_file = paths["cert"] or None
-        conf.key_file = _plain_key(paths["key"], paths["pwd"]) if paths["key"] else None
+        conf.key_file = _plain_key(paths["key"], link.password()) if paths["key"] else None
         conf.verify_ssl = True
     return client.ApiClient(conf)
 
 
-def _plain_key(key_path: str, password_file: str) -> str:
+def _plain_key(key_path: str, password: str | None) -> str:
     """The client key for urllib3, which cannot take a password: an encrypted key is decrypted into a private
     file (mode 0600, removed at exit)."""
-    if not password_file or not Path(password_file).is_file():
+    if not password:
         return key_path
     import atexit
 
     from cryptography.hazmat.primitives import serialization
 
-    password = Path(password_file).read_text(encoding="utf-8").strip().encode()
-    key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password or None)
+    key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password.encode())
     fd, path = tempfile.mkstemp(prefix="mindie-deployer-k8s-", suffix=".key.pem")
     with os.fdopen(fd, "wb") as fh:
         fh.write(

@@ -436,12 +436,8 @@ class LocalTarget:
             "http_timeout_seconds": 5,
         }
         if spec.server.enable_tls:
-            client = {**link_items(self.mindie_tls), "kmcKsfMaster": "", "kmcKsfStandby": ""}
-            user = {
-                **server_tls_files(config, Path(spec.server.mies_install_path)),
-                "kmcKsfMaster": "",
-                "kmcKsfStandby": "",
-            }
+            client = link_items(self.mindie_tls)
+            user = server_tls_files(config, Path(spec.server.mies_install_path))
             coordinator["tls_config"] = {
                 "mindie_client_tls_enable": True,
                 "mindie_client_tls_items": client,

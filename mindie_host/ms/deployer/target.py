@@ -115,8 +115,8 @@ def check_against_config(spec: InferServer, config: dict[str, Any], mindie_tls: 
 
 
 def server_tls_files(config: dict[str, Any], base: Path) -> dict[str, str]:
-    """The business listener's certificate, key, password file and first CA as TLS items, relative paths under
-    ``base`` (the servers' ``MIES_INSTALL_PATH``)."""
+    """The business listener's certificate, key, password file (and the master-key files it is encrypted under)
+    and first CA as TLS items, relative paths under ``base`` (the servers' ``MIES_INSTALL_PATH``)."""
     from ...server.security import resolve
 
     s = config_from_dict(config).server
@@ -127,13 +127,17 @@ def server_tls_files(config: dict[str, Any], base: Path) -> dict[str, str]:
         "tls_key": str(resolve(base, s.tlsPk)),
         "tls_passwd": str(resolve(base, s.tlsPkPwd)) if s.tlsPkPwd else "",
         "tls_crl": "",
+        "kmcKsfMaster": str(resolve(base, s.kmcKsfMaster)) if s.kmcKsfMaster else "",
+        "kmcKsfStandby": str(resolve(base, s.kmcKsfStandby)) if s.kmcKsfStandby else "",
     }
 
 
 def link_items(link: TLSLink) -> dict[str, str]:
     """A link's TLS items with absolute paths, for another component's config file."""
     out = {}
-    for key in ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl"):
+    for key, name in (("ca_cert", "ca_cert"), ("tls_cert", "tls_cert"), ("tls_key", "tls_key"),
+                      ("tls_passwd", "tls_passwd"), ("tls_crl", "tls_crl"), ("kmc_master", "kmcKsfMaster"),
+                      ("kmc_standby", "kmcKsfStandby")):
         value = getattr(link, key)
-        out[key] = str(Path(link.base) / value) if value else ""
+        out[name] = str(Path(link.base) / value) if value else ""
     return out
