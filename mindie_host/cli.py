@@ -34,6 +34,7 @@ from .plugins import (
 from .quant.cli import add_quantize_parser, cmd_quantize
 from .tools.certs import add_certs_parser
 from .tools.config_upgrade import add_upgrade_parser, cmd_upgrade
+from .tools.probe import add_probe_parser
 
 
 def config_path(args: argparse.Namespace) -> str | None:
@@ -226,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     add_ms_parsers(sub)
     add_certs_parser(sub)
+    add_probe_parser(sub)
     return p
 
 

@@ -100,20 +100,41 @@ def _serves(app: Any, path: str) -> bool:
                for route in app.routes)
 
 
-def test_every_probe_path_exists_on_its_component(apps):
+def probe_routes(container: dict[str, Any], maps: dict[str, Any], tmp: Path) -> list[tuple[str, int, str]]:
+    """(probe, port, path) of each exec probe of a container, resolved as ``mindie-host probe`` resolves them: its
+    real argument parser, and its real config lookup on the container's env with the ConfigMap files."""
+    from mindie_host.cli import parser
+    from mindie_host.file_modes import write_file
+    from mindie_host.tools.probe import PATHS, target_of
+
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    for name, value in list(env.items()):
+        if value.endswith(".json"):  # the config file the process reads: the ConfigMap's, as mounted
+            env[name] = str(write_file(tmp / Path(value).name, json.dumps(maps[Path(value).name])))
+    out = []
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = container.get(kind)
+        if probe is None:
+            continue
+        command = probe["exec"]["command"]
+        assert command[:2] == ["mindie-host", "probe"] and probe["timeoutSeconds"] >= 5, (kind, probe)
+        args = parser().parse_args(command[1:])
+        assert args.timeout < probe["timeoutSeconds"]  # the probe reports before the kubelet gives up on it
+        target = target_of(args.component, env)
+        out.append((kind, target.port, PATHS[args.component][args.kind]))
+    return out
+
+
+def test_every_probe_path_exists_on_its_component(apps, tmp_path):
     probes = 0
+    maps = config_maps()
     for name, dep in by_kind("Deployment").items():
         for container in dep["spec"]["template"]["spec"]["containers"]:
-            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-                probe = container.get(kind)
-                if probe is None:
-                    continue
-                get = probe["httpGet"]
-                port = ports.get(get["port"], get["port"])
+            for kind, port, path in probe_routes(container, maps, tmp_path):
                 app = apps[name].get(port)
-                assert app is not None, f"{name} {kind}: nothing listens on port {get['port']}"
-                assert _serves(app, get["path"]), f"{name} {kind}: {get['path']} is not a route on port {port}"
+                assert app is not None, f"{name} {kind}: nothing listens on port {port}"
+                assert port in {p["containerPort"] for p in container["ports"]}
+                assert _serves(app, path), f"{name} {kind}: {path} is not a route on port {port}"
                 probes += 1
     assert probes == 8
 
@@ -198,15 +219,14 @@ esac
         ("10.0.1.1", "800I A2(32G)"), ("10.0.1.2", "800I A2(64G)"), ("10.0.1.3", "")]
 
 
-def test_pd_probe_paths_exist_on_the_servers(apps):
+def test_pd_probe_paths_exist_on_the_servers(apps, tmp_path):
     probes = 0
+    maps = {key: json.loads(text) for d in pd_documents(PD) if d["kind"] == "ConfigMap" for key, text in d["data"].items()}
     for dep in (d for d in pd_documents(PD, PD / "heterogeneous") if d["kind"] == "Deployment"):
         for container in dep["spec"]["template"]["spec"]["containers"]:
-            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-                get = container[kind]["httpGet"]
-                app = apps["mindie-server"][ports[get["port"]]]
-                assert _serves(app, get["path"]), f"{dep['metadata']['name']} {kind}: {get['path']}"
+            for kind, port, path in probe_routes(container, maps, tmp_path):
+                app = apps["mindie-server"][port]
+                assert _serves(app, path), f"{dep['metadata']['name']} {kind}: {path}"
                 probes += 1
     assert probes == 9
 
