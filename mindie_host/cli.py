@@ -20,7 +20,7 @@ from .config import (
     load_config,
     validate_config_file,
 )
-from .config_support import no_effect, unsupported
+from .config.support import no_effect, unsupported
 from .file_modes import write_file
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import (

@@ -18,7 +18,7 @@ from typing import Any
 
 from .backends.base import ModelBackend, ModelInfo
 from .config import Config
-from .config_support import no_effect, unsupported
+from .config.support import no_effect, unsupported
 from .engine.async_engine import AsyncEngine
 from .engine.block_pool import RefCountedBlockPool
 from .engine.core import EngineLimits, LLMEngine

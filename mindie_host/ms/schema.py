@@ -15,15 +15,15 @@ import math
 import os
 from typing import Any
 
-from ..config import ConfigError, _check_file_mode, _read_json
+from ..config import ConfigError, check_file_mode, read_json
 
 __all__ = ["ConfigError", "Section", "read_json_file"]
 
 
 def read_json_file(path: str) -> Any:
     """A JSON file, with the same file-level errors as ``config.json`` (size, UTF-8, syntax, mode at most 0640)."""
-    _check_file_mode(path, os.environ)
-    return _read_json(path)
+    check_file_mode(path, os.environ)
+    return read_json(path)
 
 
 class Section:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, _read_json, config_from_dict
+from ..config import ConfigError, config_from_dict, read_json
 from ..file_modes import write_file
 
 log = logging.getLogger("mindie_host.tools.config_upgrade")
@@ -209,7 +209,7 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     old = Path(args.old_config_path)
     new = Path(args.new_config_path) if args.new_config_path else Path.cwd() / f"{time.strftime('%Y%m%d%H%M%S')}.json"
     try:
-        data = _read_json(str(old))
+        data = read_json(str(old))
         result = upgrade(data, args.target_version, args.old_version)
         if new.resolve() == old.resolve():
             raise UpgradeError("--new_config_path is the old file; write the result elsewhere and keep the old one")

@@ -1,6 +1,6 @@
 """Which config keys this host honours: the keys it refuses and the keys that have no effect here.
 
-Every key of the spec is parsed and range-checked by :mod:`mindie_host.config`. Most
+Every key of the spec is parsed and range-checked by :mod:`mindie_host.config` (:mod:`.schema`, :mod:`.checks`). Most
 drive the server; the few below do not, and none of them is dropped in silence:
 
 * :func:`unsupported` lists settings whose non-default value this version cannot honour,
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from .config import Config
+from .schema import Config
 
 SCALE_OUT = "run one instance per model or per device group behind the MS coordinator (docs/scale-out.md)"
 
@@ -31,7 +31,7 @@ NO_EFFECT_KEYS: dict[str, str] = {
 #: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
 NO_EFFECT_PREFIXES: dict[str, str] = {
     "BackendConfig.interNode": "inter-node TLS: torch.distributed's transports carry no TLS (interNodeTLSEnabled "
-                               "must be false with multi-node inference; docs/scale-out.md)",
+    "must be false with multi-node inference; docs/scale-out.md)",
     "ServerConfig.interComm": "inter-instance TLS (inferMode 'dmi'): interCommTLSEnabled must be false in this version",
 }
 
@@ -66,17 +66,25 @@ def _dmi_errors(config: Config) -> list[str]:
     why = "with ServerConfig.inferMode 'dmi'"
     errors = []
     if srv.interCommTLSEnabled:
-        errors.append(f"ServerConfig.interCommTLSEnabled: got true {why}; allowed false: the built-in KV transport "
-                      "and the P-to-D requests run over plain TCP in this version (use a private network)")
+        errors.append(
+            f"ServerConfig.interCommTLSEnabled: got true {why}; allowed false: the built-in KV transport "
+            "and the P-to-D requests run over plain TCP in this version (use a private network)"
+        )
     if mc.worldSize > 1 or be.multiNodesInferEnabled:
-        errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got {mc.worldSize} {why}; allowed 1 "
-                      "(a P or D instance runs on one device in this version; run more instances instead)")
+        errors.append(
+            f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got {mc.worldSize} {why}; allowed 1 "
+            "(a P or D instance runs on one device in this version; run more instances instead)"
+        )
     if be.modelInstanceNumber > 1:
-        errors.append(f"BackendConfig.modelInstanceNumber: got {be.modelInstanceNumber} {why}; allowed 1 "
-                      "(one engine per P or D instance)")
+        errors.append(
+            f"BackendConfig.modelInstanceNumber: got {be.modelInstanceNumber} {why}; allowed 1 "
+            "(one engine per P or D instance)"
+        )
     if mc.kvCacheDtype == "int8":
-        errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].kvCacheDtype: got 'int8' {why}; allowed auto, "
-                      "float32, bfloat16, float16 (the int8 cache keeps per-slot scales the transfer does not carry)")
+        errors.append(
+            f"BackendConfig.ModelDeployConfig.ModelConfig[0].kvCacheDtype: got 'int8' {why}; allowed auto, "
+            "float32, bfloat16, float16 (the int8 cache keeps per-slot scales the transfer does not carry)"
+        )
     return errors
 
 
