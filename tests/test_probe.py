@@ -64,12 +64,14 @@ def wait_listening(url: str, **kw: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, Any]]:
-    """A server, a coordinator and a controller, each config in a file, and the rank table naming them."""
+def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_server: RunningServer) -> Iterator[dict[str, Any]]:
+    """A server (the suite's shared tiny one, on 127.0.0.1), a coordinator and a controller, each config in a file,
+    and the rank table naming them."""
     root = tmp_path_factory.mktemp("probe")
     mp = pytest.MonkeyPatch()
     mp.delenv(ENV_CHECK, raising=False)
-    cfg = server_config(tiny_model, server={"ipAddress": SERVER_IP, "managementIpAddress": SERVER_IP})
+    cfg = tiny_server.config.to_dict()
+    assert cfg["ServerConfig"]["managementIpAddress"] == SERVER_IP
     write_file(root / "config.json", json.dumps(cfg))
     coord = default_coordinator_dict()
     manage = free_port()
@@ -114,10 +116,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
     coordinator = Background(serve_coordinator, load_coordinator_config(str(root / "ms_coordinator.json"), environ={}))
     controller = Background(serve_controller, load_controller_config(str(root / "ms_controller.json"), environ={}))
     try:
-        with RunningServer(cfg) as server:
-            wait_listening(f"http://{COORDINATOR_IP}:{manage}/v1/startup")
-            wait_listening(f"http://{CONTROLLER_IP}:{ctl['http_server']['port']}/v1/startup")
-            yield {"root": root, "env": env, "server": server, "manage": manage}
+        wait_listening(f"http://{COORDINATOR_IP}:{manage}/v1/startup")
+        wait_listening(f"http://{CONTROLLER_IP}:{ctl['http_server']['port']}/v1/startup")
+        yield {"root": root, "env": env, "server": tiny_server, "manage": manage}
     finally:
         coordinator.close()
         controller.close()
