@@ -241,7 +241,7 @@ def test_batch_limits_and_abort(tiny_model: Path) -> None:
     peak = 0
     for _ in range(8):
         llm.step()
-        peak = max(peak, len(llm.running))
+        peak = max(peak, len(llm.scheduler.running))
     assert peak == 2
     out = llm.abort("r0")
     assert out is not None and out.finish_reason == "abort"

@@ -45,13 +45,13 @@ def _run_recording(host: Any, reqs: list[EngineRequest]) -> tuple[dict[str, Any]
 def test_swapped_sequences_come_back_with_the_same_greedy_tokens(tiny_model: Path) -> None:
     host = loaded_host(_config(tiny_model, preempt=4))
     try:
-        assert host.llm.swap is not None
+        assert host.llm.scheduler.swap is not None
         outs, trace = _run_recording(host, _requests())
         counters = host.llm.counters
         assert counters["swapped_out"] > 0 and counters["swapped_in"] == counters["swapped_out"]
         assert counters["preemptions"] == counters["swapped_out"]  # nothing was recomputed
         assert max(t["swapped_now"] for t in trace) > 0 and max(t["usage"] for t in trace) > 0
-        assert host.llm.swap.pool.num_free() == host.llm.swap.pool.num_blocks  # all swap blocks back
+        assert host.llm.scheduler.swap.pool.num_free() == host.llm.scheduler.swap.pool.num_blocks  # all swap blocks back
         assert host.llm.kv.num_used_blocks() == 0
         for req in _requests():
             alone = run_engine(host, [EngineRequest("alone", req.prompt_token_ids, req.sampling)])["alone"]
@@ -76,7 +76,7 @@ def test_max_preempt_count_limits_swaps_per_step_and_the_rest_recompute(tiny_mod
 def test_without_max_preempt_count_preemption_recomputes(tiny_model: Path) -> None:
     host = loaded_host(_config(tiny_model, preempt=0))
     try:
-        assert host.llm.swap is None
+        assert host.llm.scheduler.swap is None
         run_engine(host, _requests())
         assert host.llm.counters["preemptions"] > 0 and host.llm.counters["swapped_out"] == 0
     finally:
@@ -87,8 +87,8 @@ def test_swap_gauges_reach_prometheus(tiny_model: Path) -> None:
     cfg = _config(tiny_model, preempt=4)
     cfg["ServerConfig"]["engineProcess"] = False  # the test takes a block of the engine's swap space itself
     with RunningServer(cfg) as server:
-        server.host.llm.swap.pool.allocate()  # one block in use: usage 1 / blocks
+        server.host.llm.scheduler.swap.pool.allocate()  # one block in use: usage 1 / blocks
         text = httpx.get(server.metrics_url + "/metrics", timeout=30).text
         usage = next(line for line in text.splitlines() if line.startswith("cpu_cache_usage_perc"))
-        assert float(usage.split()[-1]) == pytest.approx(1 / server.host.llm.swap.pool.num_blocks)
+        assert float(usage.split()[-1]) == pytest.approx(1 / server.host.llm.scheduler.swap.pool.num_blocks)
         assert any(line.startswith("num_requests_swapped") for line in text.splitlines())

@@ -13,6 +13,10 @@ disaggregated request (:mod:`.kv_transfer` has the contract):
   first token is appended as if sampled here (with P's sampling seed and generator state),
   and the sequence joins the running batch at its first decode step. A failed pull ends the
   request with an error and nothing applied.
+
+:class:`Handoff` only keeps the books of the transfers and talks to the connector: it answers
+the engine's questions and reports what happened as events (:meth:`Handoff.poll`), and the
+engine applies them to its own state: it frees blocks, ends requests, admits arrivals.
 """
 
 from __future__ import annotations
@@ -22,16 +26,13 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .kv_transfer import FAILED, RECEIVED, SEND_FAILED, SENT, KVConnector, TransferEvent
-from .request import RequestOutput
 from .sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .core import LLMEngine
 
 log = logging.getLogger("mindie_host.engine")
 
@@ -46,31 +47,76 @@ def prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
 
 
-class Handoff:
-    """Sequences held for a D instance (P) and sequences waiting for their KV (D)."""
+@dataclass
+class HoldEnded:
+    """P: a held sequence's blocks may be freed (D took the copy, the transfer failed, or the hold ended)."""
 
-    def __init__(self, engine: LLMEngine, connector: KVConnector) -> None:
-        self.engine = engine
+    seq: Sequence
+
+
+@dataclass
+class PullFailed:
+    """D: the KV of ``seq`` will not come (the transfer failed, or P's prompt differs): end it with ``message``."""
+
+    seq: Sequence
+    message: str
+
+
+#: what :meth:`Handoff.poll` reports
+HandoffEvent = HoldEnded | PullFailed
+
+
+@dataclass
+class Arrival:
+    """D: the prompt KV of ``seq`` arrived from P, with the first token P sampled and P's sampling state."""
+
+    seq: Sequence
+    #: the blocks' contents, one CPU tensor per cache tensor (blocks along the first dimension)
+    tensors: list[torch.Tensor]
+    first_token: int
+    seed: int | None
+    #: P's generator state after the first token (``torch.Generator.get_state``), when P sampled
+    generator_state: torch.Tensor | None
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the tensors hold."""
+        return self.tensors[0].shape[0] if self.tensors else 0
+
+    def restore_sampling(self) -> None:
+        """Give ``seq`` P's seed and generator state, so D samples what P would have sampled next."""
+        if self.seed is not None:
+            self.seq.seed = self.seed
+        if self.seq.generator is not None and self.generator_state is not None:
+            self.seq.generator.set_state(self.generator_state)
+
+
+class Handoff:
+    """The books of PD transfers: sequences whose blocks are held for a D instance (P), and sequences
+    waiting for their KV (D). Drives the KV connector; changes no engine state (:meth:`poll` says what to do)."""
+
+    def __init__(self, connector: KVConnector) -> None:
         self.connector = connector
         #: P: request id -> (sequence, deadline); its blocks are still allocated
         self.held: OrderedDict[str, tuple[Sequence, float]] = OrderedDict()
         #: D: handle -> sequence whose KV is being pulled
         self.pulling: dict[str, Sequence] = {}
-        #: D: sequences whose KV arrived, waiting for cache room, oldest first, with (tensors, meta)
-        self.arrived: list[tuple[Sequence, list[torch.Tensor], dict[str, Any]]] = []
+        #: D: arrived KV waiting for cache room, oldest first
+        self.arrived: list[Arrival] = []
 
     def busy(self) -> bool:
         """Transfers in flight or blocks held: the engine loop keeps polling."""
         return bool(self.held or self.pulling or self.arrived)
 
     def waiting_sequences(self) -> list[Sequence]:
-        return [*self.pulling.values(), *(seq for seq, _, _ in self.arrived)]
+        """D: the sequences waiting for their KV, pulled or arrived."""
+        return [*self.pulling.values(), *(arrival.seq for arrival in self.arrived)]
 
     # -- P ------------------------------------------------------------------------------------
-    def export(self, seq: Sequence) -> None:
-        """Take ``seq`` (its first token just appended) out of the batch and offer its prompt KV."""
-        engine = self.engine
-        blocks = engine.kv.block_table(seq)[: -(-seq.prompt_len // engine.kv.block_size)]
+    def export(self, seq: Sequence, block_table: list[int], block_size: int) -> None:
+        """Offer the prompt KV of ``seq`` (its first token just appended; ``block_table`` its blocks) and
+        hold it. The engine ends ``seq`` keeping its blocks; :class:`HoldEnded` says when to free them."""
+        blocks = block_table[: -(-seq.prompt_len // block_size)]
         gen = seq.generator.get_state() if seq.generator is not None else None
         meta = {
             "first_token": seq.token_ids[seq.prompt_len],
@@ -80,28 +126,24 @@ class Handoff:
             "generator": base64.b64encode(gen.numpy().tobytes()).decode() if gen is not None else None,
         }
         self.connector.offer(seq.request_id, blocks, meta)
-        engine._finish(seq, "handoff", free=False)
         self.held[seq.request_id] = (seq, time.monotonic() + HOLD_SECONDS)
-        engine.counters["handoffs"] += 1
 
-    def release(self, request_id: str, why: str) -> bool:
-        """Free a held sequence's blocks; False when ``request_id`` is not held."""
+    def release(self, request_id: str, why: str) -> Sequence | None:
+        """Stop holding ``request_id``'s blocks; returns its sequence, whose blocks the engine frees
+        (None when ``request_id`` is not held)."""
         item = self.held.pop(request_id, None)
         if item is None:
-            return False
-        self.engine.kv.free(item[0])
-        self.engine.stats_dirty = True
+            return None
         self.connector.withdraw(request_id)
         if why != "sent":
             log.info("request %s: KV held for D released (%s)", request_id, why)
-        return True
+        return item[0]
 
     # -- D ------------------------------------------------------------------------------------
     def start_import(self, seq: Sequence) -> None:
-        """Park ``seq`` until its KV arrives."""
+        """Pull the KV of ``seq`` (transferring) from where its request says."""
         spec = seq.request.kv_transfer
         assert spec is not None
-        seq.status = SequenceStatus.TRANSFERRING
         self.pulling[spec.handle] = seq
         self.connector.pull(spec.handle, spec.source)
 
@@ -110,61 +152,37 @@ class Handoff:
         spec = seq.request.kv_transfer
         if spec is not None:
             self.pulling.pop(spec.handle, None)
-        self.arrived = [item for item in self.arrived if item[0] is not seq]
+        self.arrived = [arrival for arrival in self.arrived if arrival.seq is not seq]
 
-    def admit(self, now: float) -> list[RequestOutput]:
-        """Write arrived KV into fresh blocks, oldest first, while the cache and the batch have room."""
-        engine = self.engine
-        outputs = []
-        while self.arrived and len(engine.running) < engine.scheduler_limits.max_batch_size:
-            seq, tensors, meta = self.arrived[0]
-            if engine.kv.blocks_needed(seq, seq.prompt_len + 1) > engine.kv.num_free_blocks():
-                break
-            self.arrived.pop(0)
-            engine.kv.allocate(seq, seq.prompt_len)
-            blocks = engine.kv.block_table(seq)[: tensors[0].shape[0]] if tensors else []
-            try:
-                engine.backend.import_blocks(blocks, tensors)
-            except Exception as exc:
-                outputs.append(engine._fail(seq, "writing the KV received from P", exc))
-                continue
-            seq.num_computed = seq.prompt_len
-            engine.kv.on_computed(seq)
-            if meta.get("seed") is not None:
-                seq.seed = int(meta["seed"])
-            if seq.generator is not None and meta.get("generator"):
-                state = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)
-                seq.generator.set_state(state)
-            seq.status = SequenceStatus.RUNNING
-            engine.running.append(seq)
-            seq.first_scheduled_time = now
-            try:
-                engine._append_token(seq, int(meta["first_token"]), None, now)
-                outputs.append(engine._make_output(seq))
-            except Exception as exc:
-                outputs.append(engine._fail(seq, "stop handling or detokenisation", exc))
-            engine.counters["imports"] += 1
-        return outputs
+    def oldest_arrival(self) -> Arrival | None:
+        """The arrival waiting longest for cache room, if any (it stays queued until :meth:`take_arrival`)."""
+        return self.arrived[0] if self.arrived else None
+
+    def take_arrival(self) -> Arrival:
+        """Dequeue the :meth:`oldest_arrival`: the engine is writing it into its cache."""
+        return self.arrived.pop(0)
 
     # -- both ---------------------------------------------------------------------------------
-    def poll(self, now: float) -> list[RequestOutput]:
-        """Apply what the connector finished, expire old holds, and admit arrived sequences."""
-        outputs: list[RequestOutput] = []
+    def poll(self, now: float) -> list[HandoffEvent]:
+        """Take in what the connector finished and end holds past their deadline; returns what the engine
+        must apply, in order. Arrived KV waits in :meth:`oldest_arrival` until the engine has room."""
+        events: list[HandoffEvent] = []
         for event in self.connector.poll():
-            outputs.extend(self._apply(event))
+            events.extend(self._take(event))
         for rid, (_seq, deadline) in list(self.held.items()):
             if now < deadline:
                 break  # oldest first
-            self.release(rid, f"D did not take it within {HOLD_SECONDS:g} s")
-        outputs.extend(self.admit(now))
-        return outputs
+            seq = self.release(rid, f"D did not take it within {HOLD_SECONDS:g} s")
+            if seq is not None:
+                events.append(HoldEnded(seq))
+        return events
 
-    def _apply(self, event: TransferEvent) -> list[RequestOutput]:
+    def _take(self, event: TransferEvent) -> list[HandoffEvent]:
         if event.kind in (SENT, SEND_FAILED):
             if event.kind == SEND_FAILED:
                 log.warning("request %s: the KV transfer to %s failed: %s", event.handle, event.peer, event.error)
-            self.release(event.handle, "sent" if event.kind == SENT else "the transfer failed")
-            return []
+            held = self.release(event.handle, "sent" if event.kind == SENT else "the transfer failed")
+            return [HoldEnded(held)] if held is not None else []
         seq = self.pulling.pop(event.handle, None)
         if seq is None or seq.status == SequenceStatus.FINISHED:
             return []
@@ -172,19 +190,27 @@ class Handoff:
             meta = event.meta or {}
             digest = prompt_digest(seq.token_ids[: seq.prompt_len])
             if meta.get("prompt_digest") != digest or meta.get("prompt_len") != seq.prompt_len:
-                return [self._fail(seq, "P and D tokenized the prompt differently (check that both serve the same "
-                                        "model and tokenizer)")]
-            self.arrived.append((seq, event.tensors or [], meta))
+                return [
+                    PullFailed(
+                        seq,
+                        "P and D tokenized the prompt differently (check that both serve the same model and tokenizer)",
+                    )
+                ]
+            try:
+                self.arrived.append(_arrival(seq, event.tensors or [], meta))
+            except (KeyError, TypeError, ValueError) as exc:
+                return [PullFailed(seq, f"P sent KV with unreadable meta ({type(exc).__name__}: {exc})")]
             return []
         if event.kind == FAILED:
-            return [self._fail(seq, f"the KV transfer from P ({event.peer}) failed: {event.error}")]
+            return [PullFailed(seq, f"the KV transfer from P ({event.peer}) failed: {event.error}")]
         log.error("unknown transfer event %r for %s", event.kind, event.handle)
         return []
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        log.warning("request %s: %s", seq.request_id, message)
-        seq.error = message
-        self.engine._finish(seq, "error")
-        out = self.engine._make_output(seq)
-        out.error_status = TRANSFER_FAILED_STATUS
-        return out
+
+def _arrival(seq: Sequence, tensors: list[torch.Tensor], meta: dict[str, Any]) -> Arrival:
+    """An :class:`Arrival` from the meta P sent with the blocks."""
+    state = None
+    if meta.get("generator"):
+        state = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)
+    seed = meta.get("seed")
+    return Arrival(seq, tensors, int(meta["first_token"]), int(seed) if seed is not None else None, state)
