@@ -89,6 +89,18 @@ class KVCacheManager:
     def on_computed(self, seq: SequenceView) -> None:
         """Called after a step has written KV for ``seq`` up to ``seq.num_computed`` tokens."""
 
+    def free_tail(self, seq: SequenceView) -> None:
+        """Release ``seq``'s blocks past those its first ``num_computed`` tokens need, last block first: after
+        a step wrote KV for tokens that were then taken back (rejected once the step had run), with
+        ``num_computed`` counting only the tokens kept. :meth:`on_computed` keys a block only once its tokens
+        count as computed, so the blocks released here hold no key."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = -(-seq.num_computed // self.block_size)
+        while len(table) > keep:
+            self.pool.free(table.pop())
+
     def free(self, seq: SequenceView) -> None:
         """Release every block of ``seq`` (finished, aborted or preempted), last block first:
         under pressure a shared prefix's tail is evicted before its head."""

@@ -175,3 +175,21 @@ def test_allocate_beyond_pool_raises() -> None:
     assert not kv.can_allocate(s, 12)
     with pytest.raises(MemoryError):
         kv.allocate(s, 12)
+
+
+def test_free_tail_releases_the_blocks_of_taken_back_tokens_and_keeps_the_keyed_ones() -> None:
+    kv = PrefixCachingKVCacheManager(16, BS)
+    s = Seq(0, list(range(10)))  # 2 full blocks (keyed once computed) + 2 tokens
+    run_prefill(kv, s)
+    held = kv.block_table(s)
+    free = kv.num_free_blocks()
+    s.token_ids += [50, 51, 52, 53, 54, 55]  # six draft tokens: KV for them is written ...
+    kv.allocate(s, 6)
+    assert len(kv.block_table(s)) == 4 and kv.num_free_blocks() == free - 1
+    s.num_computed += 1  # ... and only the first is accepted
+    del s.token_ids[11:]
+    kv.on_computed(s)
+    kv.free_tail(s)
+    assert kv.block_table(s) == held and kv.num_free_blocks() == free
+    assert kv.num_cached_blocks() == 2
+    kv.free_tail(Seq(7, [1, 2]))  # a sequence holding nothing: nothing to do
