@@ -5,8 +5,11 @@ client's only way out), so every call goes through the real client: its URL buil
 serialisation, content types and error handling. It records each call (method, path, query, body) and
 answers as the API server does: 201 with the stored object for a create, 409 ``AlreadyExists`` and 404
 ``NotFound`` ``Status`` objects, a strategic merge for a PATCH (maps merged, lists of named items merged by
-name), ``Status`` ``Success`` for a DELETE, lists filtered by ``labelSelector``. Like the Deployment
-controller, it keeps ``replicas`` Running, Ready pods for each Deployment's current pod template.
+name), a DELETE answered per kind as the API server's registry does (a Service or a Pod, whose storage sets
+``ReturnDeletedObject``, with the deleted object, which the generated client types as ``V1Service``; a
+Deployment or a ConfigMap with a ``Status`` ``Success``; a collection with the list of what it deleted), lists
+filtered by ``labelSelector``. Like the Deployment controller, it keeps ``replicas`` Running, Ready pods for
+each Deployment's current pod template.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 KINDS = {"configmaps": "ConfigMap", "services": "Service", "pods": "Pod", "deployments": "Deployment"}
+# the kinds whose registry answers a DELETE with the deleted object (``ReturnDeletedObject: true``)
+RETURNS_DELETED_OBJECT = {"services", "pods"}
 
 
 @dataclass
@@ -150,8 +155,10 @@ class FakeKubeAPI:
             self._reconcile()
             return FakeResponse(200, obj)
         if method == "DELETE":
-            del self.objects[key]
+            obj = self.objects.pop(key)
             self._reconcile()
+            if plural in RETURNS_DELETED_OBJECT:
+                return FakeResponse(200, obj)
             return FakeResponse(200, _status(200, "", "", plural, name or ""))
         raise AssertionError(f"the fake does not answer {method} {path}")
 

@@ -497,6 +497,26 @@ def test_kubernetes_target_follows_the_api_contract(kube):
         assert json.loads((tmp / "status.json").read_text()) == {"server_list": []}
 
 
+def test_the_fakes_delete_answers_are_what_the_client_expects():
+    """The fake answers each DELETE the deployer makes as the API server does, in the shape the installed
+    client's own models take (kubernetes 37's pydantic models refuse a ``Status`` for a Service)."""
+    target = kube_target(FakeKubeAPI())
+    core, apps = target.core, target.apps
+    meta = {"name": "x", "labels": {"app": "x"}}
+    core.create_namespaced_service("ns", {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {}})
+    core.create_namespaced_config_map("ns", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta})
+    pod = {"metadata": {"labels": {"app": "x"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta}
+    apps.create_namespaced_deployment("ns", {**dep, "spec": {"replicas": 1, "selector": {}, "template": pod}})
+    service = core.delete_namespaced_service("x", "ns")
+    assert isinstance(service, kubernetes.client.V1Service) and service.metadata.name == "x"
+    for answer in (apps.delete_namespaced_deployment("x", "ns"), core.delete_namespaced_config_map("x", "ns")):
+        status = answer if isinstance(answer, dict) else answer.to_dict()  # 37 types these "object", 35 V1Status
+        assert status["status"] == "Success"
+    assert core.delete_collection_namespaced_config_map("ns", label_selector="app=x") is not None
+    asyncio.run(target.close())
+
+
 def test_an_update_with_a_changed_config_rolls_a_new_config_map(tmp_path: Path):
     fake = FakeKubeAPI()
     server_cfg = tmp_path / "config.json"

@@ -128,6 +128,18 @@ class KubeTarget:
         except Exception as exc:  # urllib3 connection errors and the like
             raise TargetError(f"cannot {what}: {type(exc).__name__}: {exc}") from None
 
+    async def _delete(self, what: str, fn: Any, *args: Any, **kw: Any) -> None:
+        """A DELETE whose answer is read but not deserialized: the API server answers it per kind (a Service
+        with the deleted Service, a Deployment or a ConfigMap with a ``Status``, a collection with a list), and
+        the client's models of these answers differ between its versions (37's pydantic models refuse a
+        ``Status`` where they expect a ``V1Service``). A 4xx/5xx still raises as in :meth:`_call`."""
+
+        def delete() -> None:
+            resp = fn(*args, _preload_content=False, **kw)
+            _ = resp.data  # read to the end: the connection goes back to the pool
+
+        await self._call(what, delete)
+
     async def create(self, spec: InferServer) -> None:
         from kubernetes.client.exceptions import ApiException
 
@@ -250,7 +262,7 @@ class KubeTarget:
         for item in by_age:
             if item.metadata.name not in keep:
                 try:
-                    await self._call(
+                    await self._delete(
                         f"delete ConfigMap {item.metadata.name}",
                         self.core.delete_namespaced_config_map,
                         item.metadata.name,
@@ -268,10 +280,10 @@ class KubeTarget:
             ("Deployment", self.apps.delete_namespaced_deployment),
         ):
             try:
-                await self._call(f"delete {what} {name}", fn, name, ns)
+                await self._delete(f"delete {what} {name}", fn, name, ns)
             except ApiException:  # 404: gone already
                 pass
-        await self._call(
+        await self._delete(
             "delete ConfigMaps", self.core.delete_collection_namespaced_config_map, ns, label_selector=_selector(spec)
         )
 
