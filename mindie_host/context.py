@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
     from .host import Host
+    from .models.architecture import Architectures
 
 #: Logger names of plugins hang under this one.
 PLUGIN_LOGGER_PREFIX = "mindie_host.plugins"
@@ -108,7 +109,15 @@ class KVContext(PluginContext):
 
 @dataclass(frozen=True)
 class BackendContext(PluginContext):
-    """Context of the model-backend hooks: building the runner for a ``backendType``, per-row variants."""
+    """Context of the model-backend hooks: building the runner for a ``backendType``, per-row variants, the
+    model families.
+
+    :ivar architectures: the model families the registered plugins provide, by ``model_type``
+        (:class:`~mindie_host.models.architecture.Architectures`, asked of the plugins on first use): a backend
+        reads its checkpoint through the family that serves it.
+    """
+
+    architectures: Architectures | None = None
 
 
 #: Which context type each hook receives.
@@ -135,6 +144,7 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_model_backend": BackendContext,
     "mindie_host_backend_types": BackendContext,
     "mindie_host_linear_deltas": BackendContext,
+    "mindie_host_model_architectures": BackendContext,
 }
 
 

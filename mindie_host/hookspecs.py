@@ -20,7 +20,7 @@ The hooks fall into five concerns:
 * scheduling policy: ordering the waiting queue, planning each step's batch;
 * KV-cache management: the block manager (allocate, share, free, evict), and the connector that
   moves blocks between prefill and decode instances;
-* model backend: the runner for a ``backendType``.
+* model backend: the runner for a ``backendType``, and the model families (architectures) it can load.
 
 Every hook takes a ``ctx`` argument first: a frozen, typed context built for
 the implementing plugin and the hook's concern (:mod:`mindie_host.context`:
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
     from .host import Host
+    from .models.architecture import Architecture
 
 hookspec = pluggy.HookspecMarker("mindie_host")
 
@@ -380,6 +381,22 @@ def mindie_host_linear_deltas(ctx: BackendContext, info: ModelInfo) -> LinearDel
         cache never shares its blocks with another variant); the backend sees it in
         ``ModelInput.row_variants``. ``multi_lora`` implements this with batched LoRA.
         Called once, in the process that runs the model. firstresult.
+    """
+
+
+@hookspec
+def mindie_host_model_architectures(ctx: BackendContext) -> list[Architecture] | None:
+    """Provide model families: how a checkpoint of a ``model_type`` is read and built.
+
+    :return: :class:`~mindie_host.models.architecture.Architecture` objects (import the base class and the
+        torch layers from :mod:`mindie_host.backend_api`), each serving the ``config.json`` ``model_type`` values
+        its ``model_types`` lists: its config mapping, its tensors' names (fused tensors split, unused ones
+        skipped), their tensor-parallel slices, and optionally its own decoder layers. ``None`` or ``[]`` when
+        the plugin provides none. Called for every registered plugin, once per engine (backends read the
+        answers through ``ctx.architectures``); when two plugins serve a model type, the one registered later
+        wins, so an enabled plugin wins over the builtin Llama family. An installed plugin that declares a
+        model type in the ``mindie_host.architectures`` entry-point group is enabled without a config entry
+        when a checkpoint of that type is served. Not firstresult.
     """
 
 

@@ -4,7 +4,10 @@ Builtins are always registered. A third-party plugin is a distribution with an
 entry point in the ``mindie_host.plugins`` group; its entry-point *name* is the
 name used in ``config.json``: in ``plugin_params`` (``{"plugin_type":
 "prefix_cache"}``) or, for a backend, as ``backendType``. Installed plugins that
-config does not enable are listed but never imported.
+config does not enable are listed but never imported, with one exception: a
+plugin that provides model families declares their model types in the
+``mindie_host.architectures`` group (``qwen3 = "mindie_plugin_models"``), and is
+enabled without a config entry when a served checkpoint is of one of them.
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ from .context import (
     validate_params,
 )
 from .logs import adopt_logger
+from .models.architecture import Architectures
 
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
     from .host import Host
 
 ENTRY_POINT_GROUP = "mindie_host.plugins"
+#: entry points named by the model types a plugin's families serve (the value: the plugin's module)
+ARCHITECTURE_GROUP = "mindie_host.architectures"
 log = logging.getLogger("mindie_host.plugins")
 
 #: Modules of the host that implement hooks, registered on every start.
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.engine.builtin_policy",
+    "mindie_host.models.llama",
     "mindie_host.backends.torch.plugin",
     "mindie_host.pd.tcp_connector",
     "mindie_host.server.openai",
@@ -62,6 +69,12 @@ KNOWN_PACKAGES: dict[str, str] = {
     "multimodal": "mindie-plugin-multimodal",
     "ms": "mindie-plugin-backends-ms",
     "atb": "mindie-plugin-backends-atb",
+    "models": "mindie-plugin-models",
+}
+
+#: model types served by plugins we publish (for install hints): model_type -> plugin name
+KNOWN_ARCHITECTURES: dict[str, str] = {
+    model_type: "models" for model_type in ("qwen3", "glm", "glm4", "gemma3", "gemma3_text", "phi3")
 }
 
 
@@ -225,6 +238,8 @@ class PluginHost:
     """
 
     def __init__(self) -> None:
+        #: the model families the registered plugins provide (asked of them on first use)
+        self.architectures = Architectures(lambda: self.hook.mindie_host_model_architectures())
         self.pm = ContextPluginManager(self)
         self.pm.add_hookspecs(hookspecs)
         self.enabled: list[str] = []
@@ -284,6 +299,8 @@ class PluginHost:
             }
             if "host" in concern.__dataclass_fields__:
                 fields["host"] = self._host
+            if "architectures" in concern.__dataclass_fields__:
+                fields["architectures"] = self.architectures
             ctx = self._contexts[key] = concern(**fields)
         return ctx
 
@@ -315,6 +332,7 @@ class PluginHost:
     def register(self, plugin: object, name: str) -> None:
         """Register an already-imported plugin object (tests and embedding use this)."""
         self.pm.register(plugin, name=name)
+        self.architectures.reset()
         if name not in self.enabled:
             self.enabled.append(name)
 
@@ -334,13 +352,55 @@ class PluginHost:
             ep = available.get(name)
             if ep is None:
                 raise PluginError(f"plugin {name!r} is enabled in config.json but not installed: {install_hint(name)}")
-            try:
-                plugin = ep.load()
-            except Exception as exc:  # an import error inside the plugin
-                raise PluginError(f"plugin {name!r} ({ep.value}) failed to import: {exc}") from exc
-            self.register(plugin, name)
-            adopt_logger(ep.module.split(".")[0])  # the plugin's own `logging.getLogger(__name__)` lines
+            self._load(name, ep)
+        if self._config is None:  # the families' hook may take ctx
+            self.bind(config)
+        for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
+            self._enable_architecture(model, available)
         self.pm.check_pending()
+
+    def _load(self, name: str, ep: md.EntryPoint) -> None:
+        """Import and register the plugin of entry point ``ep`` as ``name``."""
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # an import error inside the plugin
+            raise PluginError(f"plugin {name!r} ({ep.value}) failed to import: {exc}") from exc
+        self.register(plugin, name)
+        adopt_logger(ep.module.split(".")[0])  # the plugin's own `logging.getLogger(__name__)` lines
+
+    def _enable_architecture(self, model: ModelConfig, available: dict[str, md.EntryPoint]) -> None:
+        """Enable the installed plugin that provides the checkpoint's model type, when no registered plugin does.
+
+        Only the plugins that declare the model type in the ``mindie_host.architectures`` group are imported. A
+        checkpoint that cannot be read is left to the backend, which says why; a model type that a plugin we
+        publish would serve, with that plugin not installed, is refused with the command that installs it.
+        """
+        from .models.default import default_model_path
+        from .models.weights import checkpoint_model_type, resolve_model
+
+        try:
+            source = resolve_model(model.modelWeightPath or str(default_model_path()))
+            model_type = checkpoint_model_type(source)
+        except Exception:  # the backend reports an unreadable checkpoint (and backends that read other formats)
+            return
+        if model_type in self.architectures:
+            return
+        for ep in md.entry_points(group=ARCHITECTURE_GROUP, name=model_type):
+            dist = getattr(ep, "dist", None)
+            names = [p.name for p in (dist.entry_points if dist is not None else []) if p.group == ENTRY_POINT_GROUP]
+            for name in names:
+                if not self.pm.has_plugin(name) and name in available:
+                    self._load(name, available[name])
+                    log.info("model_type %r is served by the installed plugin %r (%s): enabled", model_type, name,
+                             dist.metadata["Name"] if dist is not None else "?")
+            if model_type in self.architectures:
+                return
+        known = KNOWN_ARCHITECTURES.get(model_type)
+        if known is not None:
+            raise PluginError(
+                f"model_type {model_type!r} ({source.path}) is not served by any installed plugin: "
+                f"{install_hint(known)} (the host itself serves {', '.join(self.architectures.model_types())})"
+            )
 
     def validate(self, config: Config) -> list[str]:
         """Validate each enabled plugin's ``Params`` and run every config validation hook.

@@ -2,7 +2,9 @@
 
 * :func:`make_tiny_llama` writes a small random Llama (HF format) with the
   default model's real tokenizer and chat template, so tests run fast but go
-  through the real loader, tokenizer, engine and protocols.
+  through the real loader, tokenizer, engine and protocols;
+  :func:`make_tiny_model` does the same for any family from transformers' own
+  config and model classes.
 * :func:`server_config` builds a config dict for a model path, with small memory
   budgets and free ports.
 * :class:`RunningServer` starts the real HTTP server on free loopback ports in a
@@ -74,40 +76,57 @@ def make_tiny_llama(
     holding it, e.g. where the default model's package is not installed; the environment
     variable ``MINDIE_HOST_TEST_TOKENIZER`` sets it too).
     """
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    return make_tiny_model(
+        directory, LlamaConfig, LlamaForCausalLM, seed=seed, tokenizer_dir=tokenizer_dir,
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def tiny_tokenizer(tokenizer_dir: str | Path | None = None) -> Any:
+    """The tokenizer tiny test models get: the default model's, or the one in ``tokenizer_dir`` (or
+    ``MINDIE_HOST_TEST_TOKENIZER``)."""
+    from transformers import AutoTokenizer
 
     from .models.default import default_model_path
     from .models.weights import resolve_model
     from .tokenizer import load_tokenizer
 
+    tokenizer_dir = tokenizer_dir or os.environ.get("MINDIE_HOST_TEST_TOKENIZER")
+    if tokenizer_dir:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return load_tokenizer(resolve_model(default_model_path()))
+
+
+def make_tiny_model(directory: str | Path, config_class: Any, model_class: Any, *, seed: int = 0,
+                    tokenizer_dir: str | Path | None = None, head_scale: float = 8.0, **config: Any) -> Path:
+    """Write a random model of transformers' ``model_class`` built from ``config_class(**config)`` (the vocabulary,
+    special tokens and dtype filled in from the test tokenizer), saved with ``save_pretrained`` beside that
+    tokenizer; returns the path. A directory that already holds a model is returned as it is.
+
+    The LM head is multiplied by ``head_scale`` so that logits spread wide and greedy ties are vanishingly rare.
+    A multimodal config (one with ``text_config``) gets the vocabulary and special tokens in its text config.
+    """
+    import torch
+
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
-    tokenizer_dir = tokenizer_dir or os.environ.get("MINDIE_HOST_TEST_TOKENIZER")
-    if tokenizer_dir:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = tiny_tokenizer(tokenizer_dir)
+    tokens = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {**tokens, **config["text_config"]}
     else:
-        tokenizer = load_tokenizer(resolve_model(default_model_path()))
+        config = {**tokens, **config}
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger logits spread so greedy ties are vanishingly rare
-        model.lm_head.weight.mul_(8.0)
+    cfg = config_class(**config, torch_dtype="float32")
+    model = model_class(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(head_scale)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return directory

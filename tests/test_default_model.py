@@ -111,7 +111,7 @@ def test_low_bit_weights_keep_the_default_models_next_tokens() -> None:
     want = _teacher_forced_logits(ref, seqs, batched=False)
     del ref
     auto = loaded_host(server_config(None))
-    assert type(auto.backend.model.layers[0].qkv).__name__ == "FourBitWeight"
+    assert type(auto.backend.model.layers[0].attn.qkv).__name__ == "FourBitWeight"
     for batched in (False, True):
         got = _teacher_forced_logits(auto, seqs, batched)
         agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want)) / sum(len(w) for w in want)

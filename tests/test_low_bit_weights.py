@@ -149,9 +149,9 @@ def test_auto_reads_the_files_low_bit_form_and_agrees_with_none(tmp_path: Path,
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     auto, none = loaded(path, "auto"), loaded(path, "none")
     assert auto.model is not None and none.model is not None
-    assert isinstance(auto.model.layers[0].qkv, FourBitWeight)
+    assert isinstance(auto.model.layers[0].attn.qkv, FourBitWeight)
     assert isinstance(auto.model.lm_head_linear, Int8Weight)  # the tied Q8_0 embedding
-    assert not isinstance(none.model.layers[0].qkv, LowBitWeight)
+    assert not isinstance(none.model.layers[0].attn.qkv, LowBitWeight)
     for seqs in (1, 4):
         a, n = decode_logits(auto, seqs), decode_logits(none, seqs)
         assert (a - n).abs().max().item() < 0.05 * n.abs().max().item()

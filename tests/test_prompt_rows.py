@@ -70,7 +70,7 @@ def test_prompt_rows_are_found_by_position() -> None:
 
 def test_low_bit_layers_keep_a_bf16_copy_for_prompts(auto: TorchBackend) -> None:
     assert auto.model is not None
-    qkv = auto.model.layers[0].qkv
+    qkv = auto.model.layers[0].attn.qkv
     assert isinstance(qkv, LowBitWeight) and qkv.dense is None
     assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16
 

@@ -85,7 +85,7 @@ def test_schemes_agree_with_fp32(tiny_model: Path, reference: torch.Tensor, sett
     backend = _backend(tiny_model, **settings)
     if weight_class is not None:
         layer = backend.model.layers[0]
-        assert all(isinstance(w, weight_class) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        assert all(isinstance(w, weight_class) for w in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down))
     got = _logits(backend)
     agree, err = _agreement(got, reference)
     assert agree >= min_agree and err <= max_err, (agree, err)
@@ -187,7 +187,7 @@ def test_quantize_writes_mindie_format(tiny_model: Path, quantized_dirs: dict[st
 def test_quantized_checkpoints_serve_and_agree(quantized_dirs: dict[str, Path], reference: torch.Tensor,
                                                name: str, weight_class: type) -> None:
     backend = _backend(quantized_dirs[name])  # quantization: auto serves the checkpoint's own layer types
-    assert isinstance(backend.model.layers[1].gate_up, weight_class)
+    assert isinstance(backend.model.layers[1].mlp.gate_up, weight_class)
     agree, err = _agreement(_logits(backend), reference)
     assert agree >= 0.95 and err <= 0.05, (agree, err)
 
@@ -195,10 +195,10 @@ def test_quantized_checkpoints_serve_and_agree(quantized_dirs: dict[str, Path], 
 def test_none_serves_a_checkpoint_dequantized(quantized_dirs: dict[str, Path]) -> None:
     backend = _backend(quantized_dirs["w8a16"], quantization="none")
     layer = backend.model.layers[0]
-    assert not isinstance(layer.qkv, (W8A16Weight, W8A8DynamicWeight))
+    assert not isinstance(layer.attn.qkv, (W8A16Weight, W8A8DynamicWeight))
     # and w8a8 on a w8a16 checkpoint quantizes activations per token
     backend = _backend(quantized_dirs["w8a16"], quantization="w8a8")
-    assert isinstance(backend.model.layers[0].down, W8A8DynamicWeight)
+    assert isinstance(backend.model.layers[0].mlp.down, W8A8DynamicWeight)
 
 
 def test_served_over_http(quantized_dirs: dict[str, Path]) -> None:
@@ -292,10 +292,10 @@ def _compressed_tensors_copy(tiny_model: Path, out: Path, fmt: str = "int-quanti
 def test_compressed_tensors_int8_checkpoint(tiny_model: Path, tmp_path: Path, reference: torch.Tensor) -> None:
     model = _compressed_tensors_copy(tiny_model, tmp_path / "ct")
     backend = _backend(model)
-    assert isinstance(backend.model.layers[0].qkv, W8A8DynamicWeight)
+    assert isinstance(backend.model.layers[0].attn.qkv, W8A8DynamicWeight)
     agree, err = _agreement(_logits(backend), reference)
     assert agree >= 0.95 and err <= 0.05, (agree, err)
-    assert isinstance(_backend(model, quantization="w8a16").model.layers[0].qkv, W8A16Weight)
+    assert isinstance(_backend(model, quantization="w8a16").model.layers[0].attn.qkv, W8A16Weight)
 
 
 def test_compressed_tensors_packed_format_is_refused(tiny_model: Path, tmp_path: Path) -> None:

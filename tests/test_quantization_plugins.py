@@ -52,7 +52,7 @@ def _complete(client: openai.OpenAI, prompt: list[int], max_tokens: int, delay: 
 
 def _run(server: RunningServer) -> list[Output]:
     """Short prompts decoding while long ones (two sharing a prefix) arrive, then the prefix again."""
-    assert isinstance(server.host.backend.model.layers[0].qkv, W8A8DynamicWeight)
+    assert isinstance(server.host.backend.model.layers[0].attn.qkv, W8A8DynamicWeight)
     rng = random.Random(5)
 
     def toks(n: int) -> list[int]:

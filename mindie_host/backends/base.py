@@ -35,7 +35,7 @@ class ModelInfo:
 
     @classmethod
     def from_arch(cls, name: str, arch: Any, *, dtype: str, device: str, **extra: Any) -> ModelInfo:
-        """The facts of a Llama-family model read by :func:`mindie_host.api.load_arch` (``arch`` is a ``LlamaArch``)."""
+        """The facts of a model read by :func:`mindie_host.backend_api.load_arch` (``arch`` is a ``ModelArch``)."""
         return cls(
             name=name,
             architecture="LlamaForCausalLM",
@@ -50,7 +50,8 @@ class ModelInfo:
             device=device,
             model_type=arch.model_type,
             extra={"hidden_size": arch.hidden_size, "num_heads": arch.num_heads,
-                   "intermediate_size": arch.intermediate_size, **extra},
+                   "intermediate_size": arch.intermediate_size, "family": getattr(arch, "architecture", "llama"),
+                   **extra},
         )
 
 

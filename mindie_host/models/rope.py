@@ -7,10 +7,16 @@
 
 :func:`rope_from_config` reads either into one :class:`Rope`. The kinds the Llama family uses are
 served: ``default``, ``linear`` (position interpolation), ``dynamic`` (NTK-aware, recomputed from the
-sequence's length once it passes ``max_position_embeddings``), ``yarn`` and ``llama3``. Any other kind
-is refused at load time (:class:`~mindie_host.models.weights.ModelLoadError`) instead of being served
-with the wrong positions. The arithmetic follows the published methods as transformers implements them,
-so the same checkpoint gives the same tokens here and in ``generate``.
+sequence's length once it passes ``max_position_embeddings``), ``yarn`` and ``llama3``; a family may allow
+``longrope`` (Phi-3: short or long per-frequency factors, by whether the sequence passes
+``original_max_position_embeddings``) and a partial rotary embedding (``partial_rotary_factor``: only the first
+part of each head rotates). Any other kind is refused at load time
+(:class:`~mindie_host.models.weights.ModelLoadError`) instead of being served with the wrong positions. The
+arithmetic follows the published methods as transformers implements them, so the same checkpoint gives the same
+tokens here and in ``generate``.
+
+Some families give each kind of layer its own RoPE (Gemma 3: ``rope_parameters`` keyed by layer type);
+:func:`rope_from_config` reads one of them with ``layer_type``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+#: every kind this module computes (a family names the ones its checkpoints may use)
+ALL_ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "longrope")
 #: keys a rope dict may hold that change nothing for the kinds above (transformers writes some of them)
 _NEUTRAL_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 _KEYS = {
@@ -32,8 +40,10 @@ _KEYS = {
     "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim", "truncate"},
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+    "longrope": {"factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"},
 }
-_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (), "llama3": ("factor",)}
+_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (), "llama3": ("factor",),
+             "longrope": ("short_factor", "long_factor")}
 
 
 class RopeConfigError(ValueError):
@@ -49,15 +59,28 @@ class Rope:
     params: dict[str, Any] = field(default_factory=dict)
     #: the model's ``max_position_embeddings`` (dynamic NTK scales from it; yarn/llama3 default to it)
     max_position_embeddings: int = 2048
+    #: the share of each head that rotates (the first ``rotary_dim`` values; the rest pass through)
+    partial_rotary_factor: float = 1.0
 
     @property
     def dynamic(self) -> bool:
-        """True when the frequencies depend on the sequence's length (dynamic NTK)."""
-        return self.rope_type == "dynamic"
+        """True when the frequencies depend on the sequence's length (dynamic NTK, longrope)."""
+        return self.rope_type in ("dynamic", "longrope")
+
+    @property
+    def length_threshold(self) -> int:
+        """A sequence longer than this gets other frequencies (:attr:`dynamic` kinds only)."""
+        if self.rope_type == "longrope":
+            return int(self.params.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return self.max_position_embeddings
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many values of each head rotate (even; ``head_dim`` unless the rotation is partial)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def inv_freq(self, head_dim: int, seq_len: int | None = None) -> np.ndarray:
-        """Inverse frequencies (float64, ``head_dim // 2``); ``seq_len`` matters for dynamic NTK only."""
-        dim = head_dim
+        """Inverse frequencies (float64, ``rotary_dim // 2``); ``seq_len`` matters for the :attr:`dynamic` kinds."""
+        dim = self.rotary_dim(head_dim)
         exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
         base = self.theta
         p = self.params
@@ -72,6 +95,13 @@ class Rope:
             return _llama3(inv, p, self.max_position_embeddings)
         if self.rope_type == "yarn":
             return _yarn(inv, dim, base, self._yarn_factor(), p, self.max_position_embeddings)
+        if self.rope_type == "longrope":
+            long = seq_len is not None and seq_len > self.length_threshold
+            factors = np.asarray(p["long_factor" if long else "short_factor"], dtype=np.float64)
+            if factors.shape != inv.shape:
+                raise RopeConfigError(f"longrope factors have {factors.size} values; the rotary dimension "
+                                      f"{dim} needs {inv.size}")
+            return inv / factors
         return inv
 
     def _yarn_factor(self) -> float:
@@ -83,7 +113,9 @@ class Rope:
 
     @property
     def attention_scaling(self) -> float:
-        """The factor yarn multiplies cos and sin by (1.0 for the other kinds)."""
+        """The factor yarn and longrope multiply cos and sin by (1.0 for the other kinds)."""
+        if self.rope_type == "longrope":
+            return self._longrope_scaling()
         if self.rope_type != "yarn":
             return 1.0
         p = self.params
@@ -97,6 +129,14 @@ class Rope:
         if p.get("mscale") and p.get("mscale_all_dim"):
             return mscale(factor, float(p["mscale"])) / mscale(factor, float(p["mscale_all_dim"]))
         return mscale(factor)
+
+    def _longrope_scaling(self) -> float:
+        p = self.params
+        if p.get("attention_factor") is not None:
+            return float(p["attention_factor"])
+        original = self.length_threshold
+        factor = float(p["factor"]) if p.get("factor") is not None else self.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3(inv: np.ndarray, p: dict[str, Any], max_pos: int) -> np.ndarray:
@@ -133,8 +173,14 @@ def _yarn(inv: np.ndarray, dim: int, base: float, factor: float, p: dict[str, An
     return (inv / factor) * (1.0 - keep) + inv * keep
 
 
-def rope_from_config(cfg: dict[str, Any]) -> Rope:
-    """The RoPE settings of an HF ``config.json`` dict, in either form; raises :class:`RopeConfigError`."""
+def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None,
+                     kinds: tuple[str, ...] = SUPPORTED_ROPE_TYPES, partial: bool = False) -> Rope:
+    """The RoPE settings of an HF ``config.json`` dict, in either form; raises :class:`RopeConfigError`.
+
+    ``layer_type`` picks one entry of per-layer-type ``rope_parameters`` (Gemma 3's ``sliding_attention`` /
+    ``full_attention``); ``kinds`` are the RoPE kinds the family serves, and ``partial`` whether it rotates
+    part of each head (``partial_rotary_factor`` below 1).
+    """
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     params = cfg.get("rope_parameters")
     if params is None:  # the older form
@@ -145,17 +191,25 @@ def rope_from_config(cfg: dict[str, Any]) -> Rope:
         raise RopeConfigError(f"rope_parameters must be an object, got {type(params).__name__}")
     else:
         params = dict(params)
+        nested = any(isinstance(v, dict) for v in params.values())
+        if nested and layer_type is None:
+            raise RopeConfigError("per-layer-type rope_parameters are not supported by Llama-family models")
+        if nested:
+            if not isinstance(params.get(layer_type), dict):
+                raise RopeConfigError(f"rope_parameters has no entry for layer type {layer_type!r} (it has "
+                                      f"{sorted(params)})")
+            params = dict(params[layer_type])
         if "rope_theta" not in params and cfg.get("rope_theta") is not None:
             params["rope_theta"] = cfg["rope_theta"]
-        if any(isinstance(v, dict) for v in params.values()):
-            raise RopeConfigError("per-layer-type rope_parameters are not supported by Llama-family models")
     rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise RopeConfigError(f"unsupported rope_type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
-    prf = params.get("partial_rotary_factor")
-    if prf is not None and float(prf) != 1.0:
+    if rope_type not in kinds:
+        raise RopeConfigError(f"unsupported rope_type {rope_type!r}; supported: {list(kinds)}")
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if prf is not None and float(prf) != 1.0 and not partial:
         raise RopeConfigError(f"partial_rotary_factor {prf} is not supported (Llama-family models rotate all of "
                               "each head)")
+    if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # transformers' rule
     unknown = sorted(set(params) - _NEUTRAL_KEYS - _KEYS[rope_type])
     if unknown:
         raise RopeConfigError(f"rope_type {rope_type!r} does not take {unknown}; it takes {sorted(_KEYS[rope_type])}")
@@ -164,13 +218,19 @@ def rope_from_config(cfg: dict[str, Any]) -> Rope:
             raise RopeConfigError(f"rope_type {rope_type!r} needs {key!r}")
     theta = float(params.get("rope_theta") if params.get("rope_theta") is not None else 10000.0)
     extra = {k: v for k, v in params.items() if k not in _NEUTRAL_KEYS}
-    return Rope(theta=theta, rope_type=rope_type, params=extra, max_position_embeddings=max_pos)
+    return Rope(theta=theta, rope_type=rope_type, params=extra, max_position_embeddings=max_pos,
+                partial_rotary_factor=float(prf) if prf is not None else 1.0)
 
 
-def rope_of(arch: Any) -> Rope:
-    """The :class:`Rope` of a :class:`~mindie_host.models.weights.LlamaArch` (``rope_theta`` and ``rope_scaling``)."""
+def rope_of(arch: Any, layer_type: str | None = None) -> Rope:
+    """The :class:`Rope` of a :class:`~mindie_host.models.weights.ModelArch`: its ``layer_ropes`` entry for
+    ``layer_type`` when it has one, else the model's (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``)."""
+    own = getattr(arch, "layer_ropes", {}).get(layer_type) if layer_type is not None else None
+    if own is not None:
+        return own
     scaling = dict(arch.rope_scaling or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     return Rope(theta=float(arch.rope_theta), rope_type=rope_type, params=scaling,
-                max_position_embeddings=int(arch.max_position_embeddings))
+                max_position_embeddings=int(arch.max_position_embeddings),
+                partial_rotary_factor=float(getattr(arch, "partial_rotary_factor", 1.0)))

@@ -1,9 +1,10 @@
-"""Reading Llama-family models: architecture facts and weights, from an HF directory or a GGUF file.
+"""Reading models: architecture facts and weights, from an HF directory or a GGUF file.
 
-Weights come out under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)
-as float32 numpy arrays, whatever the source, so every backend (torch, MindSpore,
-Ascend) shares one loader. GGUF tensors are dequantized with the ``gguf`` package
-and the Q/K row permutation that llama.cpp's converter applies is undone.
+The checkpoint's family (:mod:`mindie_host.models.architecture`) reads its ``config.json`` and names its tensors:
+weights come out under the canonical (Llama's Hugging Face) names (``model.layers.0.self_attn.q_proj.weight``)
+as float32 numpy arrays, whatever the source, so every backend (torch, MindSpore, Ascend) shares one loader.
+GGUF tensors are dequantized with the ``gguf`` package and the Q/K row permutation that llama.cpp's converter
+applies is undone, so a GGUF reader hands the family the tensors an HF checkpoint would hold.
 
 GGUF files whose matrices are stored as 4-bit groups (Q4_0, Q4_1) or 8-bit blocks
 (Q8_0) also say so (:func:`low_bit_matrices`), handing 4-bit groups over as they are,
@@ -16,19 +17,21 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .rope import RopeConfigError, rope_from_config
+from .architecture import Architecture, Architectures, ModelArch, Piece, _as_list
+from .architecture import LlamaArch as LlamaArch  # re-exported: the old import path
+from .architecture import ModelLoadError as ModelLoadError
+from .llama import LLAMA
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
-
-
-class ModelLoadError(RuntimeError):
-    """The model path is missing, unreadable or of an unsupported architecture."""
+#: the model types the host serves without a plugin (the builtin Llama family)
+SUPPORTED_ARCHITECTURES = set(LLAMA.model_types)
+#: the families :func:`load_arch` knows when it is given none (the host's builtin)
+BUILTIN_ARCHITECTURES = Architectures.of(LLAMA)
 
 
 @dataclass
@@ -43,29 +46,6 @@ class ModelSource:
     def name(self) -> str:
         stem = self.path.name if self.kind == "hf" else self.path.stem
         return stem.split(".Q")[0].split(".F")[0] if self.kind == "gguf" else stem
-
-
-@dataclass
-class LlamaArch:
-    """The hyper-parameters of a Llama-family decoder."""
-
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    rope_scaling: dict[str, Any] | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str = "float32"
 
 
 def resolve_model(path: str | os.PathLike[str]) -> ModelSource:
@@ -86,49 +66,39 @@ def resolve_model(path: str | os.PathLike[str]) -> ModelSource:
 
 
 # -- architecture ------------------------------------------------------------------------
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def load_arch(source: ModelSource) -> LlamaArch:
-    """Read the architecture from ``config.json`` (HF) or the GGUF metadata."""
+def checkpoint_model_type(source: ModelSource) -> str:
+    """The model type the checkpoint declares: ``config.json``'s ``model_type``, or a GGUF file's
+    ``general.architecture``."""
     if source.kind == "gguf":
-        return _gguf_arch(source.path)
-    cfg = json.loads((source.path / "config.json").read_text())
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    eos = _as_list(cfg.get("eos_token_id"))
+        import gguf
+
+        return str(_gguf_field(gguf.GGUFReader(str(source.path)), "general.architecture"))
     try:
-        rope = rope_from_config(cfg)  # transformers 5's rope_parameters or the older rope_theta / rope_scaling
-    except RopeConfigError as exc:
-        raise ModelLoadError(f"{source.path / 'config.json'}: {exc}") from exc
-    gen_path = source.path / "generation_config.json"
-    if gen_path.exists():
-        eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
-    return LlamaArch(
-        model_type=model_type,
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope.theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        rope_scaling={"rope_type": rope.rope_type, **rope.params} if rope.rope_type != "default" else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos,
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-    )
+        cfg = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{source.path / 'config.json'} cannot be read: {exc}") from exc
+    return str(cfg.get("model_type", "llama"))
+
+
+def family_of(source: ModelSource, architectures: Architectures | None = None) -> Architecture:
+    """The family that serves ``source`` among ``architectures`` (default: the host's builtin Llama family)."""
+    registry = architectures if architectures is not None else BUILTIN_ARCHITECTURES
+    model_type = checkpoint_model_type(source)
+    family = registry.get(model_type)
+    if family is None or (source.kind == "gguf" and not family.gguf):
+        what = "GGUF architecture" if source.kind == "gguf" else "model_type"
+        served = [t for t in registry.model_types() if source.kind != "gguf" or registry.get(t).gguf]  # type: ignore[union-attr]
+        raise ModelLoadError(f"unsupported {what} {model_type!r}; supported: {served}")
+    return family
+
+
+def load_arch(source: ModelSource, architectures: Architectures | None = None) -> ModelArch:
+    """Read the architecture from ``config.json`` (HF) or the GGUF metadata, through the checkpoint's family
+    among ``architectures`` (default: the host's builtin Llama family)."""
+    family = family_of(source, architectures)
+    if source.kind == "gguf":
+        return _gguf_arch(source.path, family)
+    return family.read_config(json.loads((source.path / "config.json").read_text()), source.path)
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -138,13 +108,11 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _gguf_arch(path: Path) -> LlamaArch:
+def _gguf_arch(path: Path, family: Architecture) -> ModelArch:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
     heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     names = {t.name for t in reader.tensors}
@@ -152,7 +120,7 @@ def _gguf_arch(path: Path) -> LlamaArch:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaArch(
+    return ModelArch(
         model_type=arch,
         hidden_size=hidden,
         num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
@@ -169,6 +137,7 @@ def _gguf_arch(path: Path) -> LlamaArch:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_list(eos),
         torch_dtype="float32",
+        architecture=family.name,
     )
 
 
@@ -212,21 +181,28 @@ Sharding = Callable[[str], "tuple[int, int, int] | None"]
 
 
 def iter_weights(
-    source: ModelSource, arch: LlamaArch | None = None, shard: Sharding | None = None
+    source: ModelSource, arch: ModelArch | None = None, shard: Sharding | None = None,
+    family: Architecture | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, float32 array)`` for every tensor of the model.
+    """Yield ``(canonical name, float32 array)`` for every tensor the model uses.
 
-    With ``shard`` (a tensor-parallel rank's slicing rule), each tensor is read only as far as
-    its slice: safetensors through the file's memory map, GGUF matrices by their rows (or
-    their block-aligned columns) before dequantizing, so no rank holds a full copy.
+    ``family`` (default: the builtin one that serves ``source``) names the checkpoint's tensors, splits its
+    fused ones and adapts them (:class:`~mindie_host.models.architecture.Architecture`). With ``shard`` (a
+    tensor-parallel rank's slicing rule, by canonical name), each tensor is read only as far as its slice:
+    safetensors through the file's memory map, GGUF matrices by their rows (or their block-aligned columns)
+    before dequantizing, so no rank holds a full copy.
     """
+    family = family or family_of(source)
+    arch = arch or load_arch(source, Architectures.of(family))
     if source.kind == "gguf":
-        yield from _iter_gguf(source.path, arch or load_arch(source), shard)
+        raw = _iter_gguf(source.path, arch, shard)
     else:
-        yield from _iter_safetensors(source.path, shard)
+        raw = _iter_safetensors(source.path, arch, family, shard)
+    for name, array in raw:
+        yield name, family.adapt(name, array, arch)
 
 
-def count_tensors(source: ModelSource) -> int:
+def count_tensors(source: ModelSource, family: Architecture | None = None, arch: ModelArch | None = None) -> int:
     """How many tensors :func:`iter_weights` will yield (for progress bars)."""
     if source.kind == "gguf":
         import gguf
@@ -234,14 +210,16 @@ def count_tensors(source: ModelSource) -> int:
         return len(gguf.GGUFReader(str(source.path)).tensors)
     from safetensors import safe_open
 
+    family = family or family_of(source)
+    arch = arch or load_arch(source, Architectures.of(family))
     total = 0
     for f in _safetensor_files(source.path):
         with safe_open(str(f), framework="numpy") as st:
-            total += len(list(st.keys()))
+            total += sum(len(family.tensor_pieces(key, arch)) for key in st.keys())
     return total
 
 
-def _iter_gguf(path: Path, arch: LlamaArch, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_gguf(path: Path, arch: ModelArch, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -342,7 +320,7 @@ def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     return FourBitGroups(np.ascontiguousarray(codes), scale, offset, 32)
 
 
-def low_bit_matrices(source: ModelSource, arch: LlamaArch | None = None) -> dict[str, FourBitGroups | str]:
+def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None) -> dict[str, FourBitGroups | str]:
     """How the model file stores its matrices that are below 16 bits, under HF names.
 
     A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups` (Q/K rows un-permuted), a Q8_0
@@ -384,17 +362,26 @@ def _safetensor_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(directory: Path, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_safetensors(directory: Path, arch: ModelArch, family: Architecture,
+                      shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
     from safetensors import safe_open
 
     for f in _safetensor_files(directory):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                part = shard(key) if shard is not None else None
-                if part is None:
-                    yield key, st.get_tensor(key).float().numpy()
-                    continue
-                dim, lo, hi = part  # read through the memory map: only the slice's bytes
-                view = st.get_slice(key)
-                tensor = view[lo:hi] if dim == 0 else view[:, lo:hi]
-                yield key, tensor.float().numpy()
+                for piece in family.tensor_pieces(key, arch):
+                    part = shard(piece.name) if shard is not None else None
+                    yield piece.name, _read_piece(st, key, piece, part).float().numpy()
+
+
+def _read_piece(st: Any, key: str, piece: Piece, part: tuple[int, int, int] | None) -> Any:
+    """Rows ``piece.rows`` of tensor ``key`` (all of it when None), sliced by ``part``, read through the memory map:
+    only the bytes of the slice."""
+    if piece.rows is None and part is None:
+        return st.get_tensor(key)
+    view = st.get_slice(key)
+    base, stop = piece.rows if piece.rows is not None else (0, view.get_shape()[0])
+    if part is None:
+        return view[base:stop]
+    dim, lo, hi = part
+    return view[base + lo : base + hi] if dim == 0 else view[base:stop, lo:hi]

@@ -124,8 +124,10 @@ def calibrate(source: ModelSource, chunks: list[list[int]]) -> dict[str, Channel
     assert backend.model is not None
     out: dict[str, ChannelStats] = {}
     for i, layer in enumerate(backend.model.layers):
-        for part in ("qkv", "o_proj", "gate_up", "down"):
-            out[f"model.layers.{i}.{part}"] = platform.stats[id(getattr(layer, part))]
+        products = {"qkv": layer.attn.qkv, "o_proj": layer.attn.o_proj, "gate_up": layer.mlp.gate_up,
+                    "down": layer.mlp.down}
+        for part, weight in products.items():
+            out[f"model.layers.{i}.{part}"] = platform.stats[id(weight)]
     backend.shutdown()
     return out
 

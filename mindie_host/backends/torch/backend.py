@@ -1,4 +1,4 @@
-"""The built-in ``torch`` backend: loads a Llama-family model and runs it on a :class:`Platform`."""
+"""The built-in ``torch`` backend: loads a model of any registered family and runs it on a :class:`Platform`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,16 @@ import numpy as np
 import torch
 
 from ...distributed.tensor_parallel import ShardedDeltas, TensorParallel, parallel_errors
-from ...models.weights import LlamaArch, ModelSource, count_tensors, iter_weights, load_arch, low_bit_matrices
+from ...models.architecture import Architecture, Architectures, ModelArch, ModelLoadError
+from ...models.weights import (
+    ModelSource,
+    checkpoint_model_type,
+    count_tensors,
+    family_of,
+    iter_weights,
+    load_arch,
+    low_bit_matrices,
+)
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
 from .. import cpu_attention, cpu_layer_ops, cpu_matmul
@@ -23,7 +32,8 @@ from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
 from ..linear import batch_invariant
 from ..platform import Platform, select_platform
-from .model import TorchLlama
+from .layers import KVSpec
+from .model import DecoderModel
 from .precompile import PrecompileSpec
 
 log = logging.getLogger("mindie_host.backends.torch")
@@ -41,7 +51,11 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
 
 
 class TorchBackend(ModelBackend):
-    """Llama-family models in plain torch over a paged KV cache, on CPU or CUDA.
+    """Models of the registered families in plain torch over a paged KV cache, on CPU or CUDA.
+
+    ``architectures`` are the families the enabled plugins provide (``ctx.architectures`` of the backend hook;
+    default: the host's builtin Llama family); the checkpoint's ``model_type`` picks one
+    (:mod:`mindie_host.models.architecture`), which reads its config, names its tensors and builds its layers.
 
     ``quantization="auto"`` hands the platform how the model file stores its low-bit
     matrices (GGUF Q4_0/Q4_1 groups, Q8_0 blocks) next to their dequantized values, so
@@ -78,9 +92,11 @@ class TorchBackend(ModelBackend):
         decode_graphs: bool | None = None,
         platform: Platform | None = None,
         progress: Any = None,
+        architectures: Architectures | None = None,
     ) -> None:
         self.source = source
         self.name = name
+        self.architectures = architectures
         #: what a compile process needs to build the same backend (platform and progress aside)
         self._init_kwargs: dict[str, Any] = dict(
             source=source, name=name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
@@ -105,14 +121,15 @@ class TorchBackend(ModelBackend):
             compile_decode and self.platform.device_type == "cuda" if decode_graphs is None else decode_graphs
         )
         self.progress = progress
-        self.arch: LlamaArch | None = None
-        self.model: TorchLlama | None = None
+        self.arch: ModelArch | None = None
+        self.family: Architecture | None = None
+        self.model: DecoderModel | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.linear_deltas: LinearDeltas | None = None
         self.swap_space: list[torch.Tensor] = []
         self.tp: TensorParallel | None = None
-        self.full_arch: LlamaArch | None = None  # the whole model's shape (self.arch is this rank's under TP)
+        self.full_arch: ModelArch | None = None  # the whole model's shape (self.arch is this rank's under TP)
         self.num_blocks = 0
         self.spare_block: int | None = None  # a cache block no sequence owns (decode graphs, compile warm-up)
         self._compile_thread: threading.Thread | None = None
@@ -120,8 +137,24 @@ class TorchBackend(ModelBackend):
         self.compile_finished = threading.Event()
 
     # -- tensor parallelism ------------------------------------------------------------------
+    #: the families this backend serves, by name (None: every family the plugins provide)
+    served_families: frozenset[str] | None = None
+
+    def _family(self) -> Architecture:
+        """The checkpoint's family; refused when this backend does not serve it."""
+        family = family_of(self.source, self.architectures)
+        if self.served_families is not None and family.name not in self.served_families:
+            raise ModelLoadError(
+                f"backendType {self.backend_type!r} does not serve the {family.name} family (model_type "
+                f"{checkpoint_model_type(self.source)!r}); it serves: {', '.join(sorted(self.served_families))}. "
+                "backendType 'torch' serves every installed family"
+            )
+        return family
+
     def parallel_errors(self, world_size: int, key: str) -> list[str]:
-        errors = parallel_errors(load_arch(self.source), world_size, key)
+        family = self._family()
+        arch = load_arch(self.source, self.architectures)
+        errors = parallel_errors(arch, world_size, key) + family.parallel_errors(arch, world_size, key)
         if self.quantization not in ("auto", "none"):
             errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].quantization: got {self.quantization!r} "
                           f"with {key} {world_size}; allowed with tensor parallelism: auto, none")
@@ -142,13 +175,14 @@ class TorchBackend(ModelBackend):
 
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
-        arch = load_arch(self.source)
+        family = self.family = self._family()
+        arch = load_arch(self.source, self.architectures)
         self.arch = self.full_arch = arch
         weights: dict[str, torch.Tensor] = {}
-        total = count_tensors(self.source)
+        total = count_tensors(self.source, family, arch)
         tp = self.tp
-        shard = None if tp is None else (lambda name: tp.slice_of(name, arch))
-        for i, (name, array) in enumerate(iter_weights(self.source, arch, shard), start=1):
+        shard = None if tp is None else (lambda name: family.shard(name, arch, tp))
+        for i, (name, array) in enumerate(iter_weights(self.source, arch, shard, family), start=1):
             weights[name] = torch.from_numpy(np.require(array, requirements="W"))  # GGUF floats are read-only maps
             if self.progress is not None:
                 self.progress(i, total, name)
@@ -156,12 +190,13 @@ class TorchBackend(ModelBackend):
         if tp is None:
             stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
             stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
-        self.model = TorchLlama(arch, weights, self.platform, self.dtype, stored, tp)
+        self.model = DecoderModel(arch, weights, self.platform, self.dtype, stored, tp, family)
         if tp is not None:
             self.arch = self.model.arch  # this rank's heads: the KV cache holds its KV heads only
         log.info(
-            "loaded %s: %d layers, hidden %d, %s on %s%s",
-            self.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."), self.platform.name,
+            "loaded %s (%s family): %d layers, hidden %d, %s on %s%s",
+            self.name, family.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."),
+            self.platform.name,
             f", {len(stored)} matrices also kept in the file's low-bit form" if stored else "",
         )
         return ModelInfo.from_arch(
@@ -169,13 +204,20 @@ class TorchBackend(ModelBackend):
         )
 
     # -- KV cache --------------------------------------------------------------------------
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+    def kv_specs(self) -> list[KVSpec]:
+        """Each layer's cache shape on this rank (the model's; before it is loaded, the architecture's)."""
+        if self.model is not None:
+            return self.model.kv_specs
         assert self.arch is not None
+        return [KVSpec(self.arch.num_kv_heads, self.arch.head_dim, self.arch.head_dim)] * self.arch.num_layers
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        specs = self.kv_specs()
         if self.kv_int8:
-            return 2 * self.arch.num_layers * block_size * Int8KVCache.bytes_per_slot(
-                self.arch.num_kv_heads, self.arch.head_dim)
+            return block_size * sum(Int8KVCache.bytes_per_slot(s.heads, s.k_dim) + Int8KVCache.bytes_per_slot(
+                s.heads, s.v_dim) for s in specs)
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.arch.num_layers * block_size * self.arch.num_kv_heads * self.arch.head_dim * elem
+        return block_size * elem * sum(s.heads * (s.k_dim + s.v_dim) for s in specs)
 
     def available_kv_memory(self, requested_gb: int) -> int:
         if requested_gb > 0:
@@ -188,18 +230,24 @@ class TorchBackend(ModelBackend):
         # decode graphs pad batches with rows that write to a spare block no sequence owns; the decode step
         # compiled while requests are served warms up there too
         spare = 1 if self.decode_graphs or self.compile_decode else 0
-        shape = self.platform.kv_cache_shape(num_blocks + spare, block_size, self.arch.num_kv_heads, self.arch.head_dim)
         device = self.platform.device()
+
+        def shape(heads: int, dim: int) -> tuple[int, ...]:
+            return self.platform.kv_cache_shape(num_blocks + spare, block_size, heads, dim)
+
+        specs = self.kv_specs()
         if self.kv_int8:
             self.kv_caches = [
-                (Int8KVCache(shape, self.dtype, device), Int8KVCache(shape, self.dtype, device))  # type: ignore[misc]
-                for _ in range(self.arch.num_layers)
+                (Int8KVCache(shape(s.heads, s.k_dim), self.dtype, device),  # type: ignore[misc]
+                 Int8KVCache(shape(s.heads, s.v_dim), self.dtype, device))
+                for s in specs
             ]
             self.block_size = block_size
             return
-        self.kv_caches = [
-            (lazy_zeros(shape, self.kv_dtype, device), lazy_zeros(shape, self.kv_dtype, device))  # CPU: committed as used
-            for _ in range(self.arch.num_layers)
+        self.kv_caches = [  # CPU: committed as used
+            (lazy_zeros(shape(s.heads, s.k_dim), self.kv_dtype, device),
+             lazy_zeros(shape(s.heads, s.v_dim), self.kv_dtype, device))
+            for s in specs
         ]
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -344,7 +392,7 @@ class TorchBackend(ModelBackend):
         for thread in threads:
             thread.join()
 
-    def _compile_decode(self, model: TorchLlama) -> None:
+    def _compile_decode(self, model: DecoderModel) -> None:
         """Compile the decode step on a thread of its own, while the engine serves eager steps.
 
         Dynamo's tracing and inductor's lowering are Python and hold the GIL, which would slow the
@@ -368,7 +416,7 @@ class TorchBackend(ModelBackend):
         finally:
             self.compile_finished.set()
 
-    def compile_now(self, model: TorchLlama) -> None:
+    def compile_now(self, model: DecoderModel) -> None:
         """Compile the decode step here and now (warm-up steps on the spare block), then serve through it."""
         assert self.spare_block is not None
         self.load_cpu_kernels()  # the compiled step calls them (as the eager one does): loaded before tracing

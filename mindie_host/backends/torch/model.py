@@ -1,16 +1,17 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache, in plain torch.
+"""A decoder over a paged KV cache, in plain torch: the layers of its family, the embedding, the LM head.
 
 Weights are held as flat tensors (Q/K/V and gate/up fused into one matmul each),
 and the forward pass works on the flattened tokens of a whole batch, so a step
 costs a fixed number of operator calls per layer whatever the batch holds.
 Operators that a platform may fuse go through :class:`~mindie_host.backends.platform.Platform`.
+The layers come from the model's family (:mod:`mindie_host.models.architecture`): its own
+(:meth:`~mindie_host.models.architecture.Architecture.build_layer`) or the dense layer of
+:mod:`~mindie_host.backends.torch.layers`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,56 +19,52 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from ...distributed.tensor_parallel import TensorParallel
-from ...models.rope import rope_of
-from ...models.weights import FourBitGroups, LlamaArch
+from ...models.architecture import Architecture, ModelArch, ModelLoadError
+from ...models.llama import LLAMA
+from ...models.rope import Rope, rope_of
+from ...models.weights import FourBitGroups
 from ..base import LinearDeltas, ModelInput
 from ..int8 import Int8Matrix
 from ..linear import PromptRows
 from ..platform import AttentionMetadata, Platform, ragged
 from .graphs import DecodeGraphs
+from .layers import KVSpec, ModelWeights, Step, dense_layer
+
+#: checkpoint tensors a model may carry that change nothing (old checkpoints saved RoPE's frequencies)
+IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+#: positions the RoPE tables cover at first; :meth:`DecoderModel.extend_rope` (the backend's ``set_max_positions``,
+#: told ``maxSeqLen``) grows them: a 128k-position model serving 4k tokens keeps 4k rows of each table, not 128k
+ROPE_TABLE_POSITIONS = 8192
 
 
-@dataclass
-class LayerWeights:
-    """One decoder layer's tensors."""
-
-    input_norm: torch.Tensor
-    qkv: Any  # weights as made by Platform.prepare_linear
-    qkv_bias: torch.Tensor | None
-    o_proj: Any
-    post_norm: torch.Tensor
-    gate_up: Any
-    down: Any
+def rope_inv_freq(rope: Rope | ModelArch, head_dim: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies of a :class:`~mindie_host.models.rope.Rope` (or of a model's own RoPE) as
+    float32 (:mod:`mindie_host.models.rope`)."""
+    if isinstance(rope, ModelArch):
+        rope, head_dim = rope_of(rope), rope.head_dim
+    assert head_dim is not None
+    return torch.from_numpy(rope.inv_freq(head_dim, seq_len)).float()
 
 
-def _add_deltas(deltas: LinearDeltas, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``deltas.apply`` at ``layer``, as :meth:`Platform.gated_mlp <mindie_host.backends.platform.Platform.gated_mlp>`
-    calls its ``add``."""
-    return deltas.apply(name, layer, x, y)
+class DecoderModel:
+    """The forward pass. Construct with canonical float tensors; call :meth:`forward` per step.
 
-
-def rope_inv_freq(arch: LlamaArch, seq_len: int | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies of ``arch``'s RoPE kind (:mod:`mindie_host.models.rope`), as float32."""
-    return torch.from_numpy(rope_of(arch).inv_freq(arch.head_dim, seq_len)).float()
-
-
-class TorchLlama:
-    """The forward pass. Construct with HF-named float tensors; call :meth:`forward` per step.
-
-    ``stored`` says, by HF name, how the model file holds its low-bit matrices (see
-    :func:`~mindie_host.models.weights.low_bit_matrices`); the platform may read those
-    forms for products of few rows. :class:`~mindie_host.backends.int8.Int8Matrix` entries (the
-    ``w8a16`` / ``w8a8`` schemes) are served in int8 only.
+    ``family`` builds the layers (default: the builtin Llama family). ``stored`` says, by canonical name, how the
+    model file holds its low-bit matrices (see :func:`~mindie_host.models.weights.low_bit_matrices`); the platform
+    may read those forms for products of few rows. :class:`~mindie_host.backends.int8.Int8Matrix` entries (the
+    ``w8a16`` / ``w8a8`` schemes) are served in int8 only. A tensor no layer takes is an error: a checkpoint part
+    the family does not serve is refused, not ignored.
     """
 
     def __init__(
         self,
-        arch: LlamaArch,
+        arch: ModelArch,
         weights: dict[str, torch.Tensor],
         platform: Platform,
         dtype: torch.dtype,
         stored: dict[str, FourBitGroups | Int8Matrix | str] | None = None,
         tp: TensorParallel | None = None,
+        family: Architecture | None = None,
     ) -> None:
         #: this rank's place in a tensor-parallel world (``weights`` then hold its slices), or None
         self.tp = tp
@@ -75,62 +72,60 @@ class TorchLlama:
         if tp is not None:
             arch = tp.local_arch(arch)
         self.arch = arch
+        self.family = family or LLAMA
         self.platform = platform
         self.dtype = dtype
         self.device = platform.device()
-        self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.scale = arch.attention_scale if arch.attention_scale is not None else 1.0 / math.sqrt(arch.head_dim)
 
-        stored = stored or {}
-
-        def take(name: str) -> torch.Tensor:
-            return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
-
-        def linear(*names: str) -> Any:
-            """One prepared product for these matrices stacked by rows (fused QKV, gate+up)."""
-            int8 = [stored.get(n) for n in names]
-            if all(isinstance(m, Int8Matrix) for m in int8):  # the w8a16 / w8a8 schemes
-                return platform.prepare_int8(Int8Matrix.concat(int8) if len(int8) > 1 else int8[0], dtype)  # type: ignore[arg-type]
-            dense = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
-            forms = [stored.get(n) for n in names]
-            form: FourBitGroups | str | None = None
-            if all(isinstance(f, FourBitGroups) for f in forms):
-                form = FourBitGroups.concat(forms)  # type: ignore[arg-type]
-            elif all(f == "int8" for f in forms):
-                form = "int8"
-            return platform.prepare_linear(dense.contiguous(), form)
-
-        self.embed = self._vocab_rows(take("model.embed_tokens.weight"))
-        self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else (
-            self._vocab_rows(take("lm_head.weight"))
-        )
-        self.layers: list[LayerWeights] = []
-        for i in range(arch.num_layers):
-            p = f"model.layers.{i}."
-            bias = None
-            if p + "self_attn.q_proj.bias" in weights:
-                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0)
-            self.layers.append(
-                LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-                    qkv_bias=bias,
-                    o_proj=linear(p + "self_attn.o_proj.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=linear(p + "mlp.down_proj.weight"),
-                )
-            )
+        w = ModelWeights(weights, platform, dtype, stored)
+        self.embed = self._vocab_rows(w.tensor("model.embed_tokens.weight"))
+        self.final_norm = w.tensor("model.norm.weight")
+        if arch.tie_word_embeddings or not w.has("lm_head.weight"):
+            w.optional("lm_head.weight")  # a tied checkpoint may hold the head too: the embedding serves
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._vocab_rows(w.tensor("lm_head.weight"))
         head_name = "model.embed_tokens.weight" if self.lm_head is self.embed else "lm_head.weight"
-        self.lm_head_linear = platform.prepare_linear(self.lm_head, stored.get(head_name))
-        self.rope = rope_of(arch)
-        self.cos, self.sin = self._rope_tables(torch.arange(arch.max_position_embeddings), rope_inv_freq(arch))
+        self.lm_head_linear = platform.prepare_linear(self.lm_head, w.stored.get(head_name))
+        self.layers: list[Any] = []
+        for i in range(arch.num_layers):
+            layer = self.family.build_layer(i, arch, w)
+            self.layers.append(layer if layer is not None else dense_layer(self.family, arch, i, w))
+        left = [n for n in w.left() if not n.endswith(IGNORED_TENSORS)]
+        if left:
+            shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+            raise ModelLoadError(f"the {self.family.name} family does not serve the checkpoint's tensors {shown}")
+        #: each RoPE the layers use, by key ("" is the model's own; a layer kind may have its own)
+        self.ropes: dict[str, Rope] = {"": rope_of(arch)}
+        for layer in self.layers:
+            key = getattr(getattr(layer, "attn", None), "rope_key", "")
+            if key not in self.ropes:
+                self.ropes[key] = rope_of(arch, key)
+        self.rope = self.ropes[""]
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.extend_rope(min(arch.max_position_embeddings, ROPE_TABLE_POSITIONS))
+        self.embedding_multiplier = (None if arch.embedding_multiplier == 1.0
+                                     else torch.tensor(arch.embedding_multiplier, dtype=dtype, device=self.device))
         self.compiled_decode: Any = None
         self.compiled_max_seqs = 0
         self.compiled_steps = 0  # decode steps that ran compiled (for stats and tests)
         self.graphs: DecodeGraphs | None = None
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    @property
+    def kv_specs(self) -> list[KVSpec]:
+        """Each layer's cache shape (this rank's KV heads)."""
+        return [layer.kv_spec for layer in self.layers]
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The model's own RoPE cos table ``[positions, rotary_dim]``."""
+        return self.tables[""][0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """The model's own RoPE sin table ``[positions, rotary_dim]``."""
+        return self.tables[""][1]
 
     def _vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
         """A rank's rows of the embedding or LM head, padded with zeros to the same count on every rank."""
@@ -144,41 +139,52 @@ class TorchLlama:
     def extend_rope(self, positions: int) -> None:
         """Make the cos/sin tables cover ``positions`` positions (past ``max_position_embeddings``, the same
         frequencies continue, as transformers computes them for any position)."""
-        if positions > self.cos.shape[0]:
-            self.cos, self.sin = self._rope_tables(torch.arange(positions), rope_inv_freq(self.arch))
+        for key, rope in self.ropes.items():
+            if key not in self.tables or positions > self.tables[key][0].shape[0]:
+                self.tables[key] = self._rope_tables(torch.arange(positions), rope)
 
-    def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[len(positions), head_dim]`` (scaled by yarn's attention factor)."""
-        freqs = torch.outer(positions.to(torch.float32), inv_freq)
+    def _rope_tables(self, positions: torch.Tensor, rope: Rope,
+                     seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[len(positions), rotary_dim]`` of ``rope`` (scaled by yarn's or longrope's attention
+        factor); ``seq_len`` is the sequence's length, for the kinds whose frequencies depend on it."""
+        freqs = torch.outer(positions.to(torch.float32), rope_inv_freq(rope, self.arch.head_dim, seq_len))
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.rope.attention_scaling
+        scale = rope.attention_scaling
         cos, sin = emb.cos(), emb.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
-    def dynamic_rope(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per-token cos and sin when dynamic NTK RoPE rescales a sequence; None when the tables serve.
+    def dynamic_rope(self, batch: ModelInput) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per-token cos and sin of every RoPE when one whose frequencies depend on the sequence's length (dynamic
+        NTK, longrope) changes them for a sequence of the step; None when the tables serve.
 
-        A sequence whose length (its context after this step) passes ``max_position_embeddings``
-        rotates this step's tokens with frequencies recomputed for that length, as transformers does
-        for the tokens of each forward pass; the keys already cached keep the rotation they got.
+        A sequence whose length passes the RoPE's threshold (``max_position_embeddings``; longrope:
+        ``original_max_position_embeddings``) rotates this step's tokens with frequencies computed for that length,
+        as transformers does for the tokens of each forward pass; the keys already cached keep the rotation they
+        got. Its length is its context after this step, and at least its prompt's, so a prompt computed in chunks
+        rotates as one computed at once.
         """
-        limit = self.arch.max_position_embeddings
-        if not self.rope.dynamic or max(batch.context_lens) <= limit:
+        lengths = [max(ctx, prompt) for ctx, prompt in zip(batch.context_lens, batch.prompt_lens)] or batch.context_lens
+        longest = max(lengths)
+        if not any(r.dynamic and longest > r.length_threshold for r in self.ropes.values()):
             return None
-        cos, sin, start = [], [], 0
-        for q, ctx in zip(batch.query_lens, batch.context_lens):
-            positions = torch.tensor(batch.positions[start : start + q])
-            start += q
-            if ctx <= limit:
-                cos.append(self.cos[positions.to(self.device)])
-                sin.append(self.sin[positions.to(self.device)])
-            else:
-                c, s = self._rope_tables(positions, rope_inv_freq(self.arch, ctx))
-                cos.append(c)
-                sin.append(s)
-        return torch.cat(cos), torch.cat(sin)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, rope in self.ropes.items():
+            table_cos, table_sin = self.tables[key]
+            cos, sin, start = [], [], 0
+            for q, length in zip(batch.query_lens, lengths):
+                positions = torch.tensor(batch.positions[start : start + q])
+                start += q
+                if not rope.dynamic or length <= rope.length_threshold:
+                    cos.append(table_cos[positions.to(self.device)])
+                    sin.append(table_sin[positions.to(self.device)])
+                else:
+                    c, s = self._rope_tables(positions, rope, length)
+                    cos.append(c)
+                    sin.append(s)
+            out[key] = (torch.cat(cos), torch.cat(sin))
+        return out
 
     def mrope_tables(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[n, head_dim]`` for multimodal RoPE (Qwen2-VL's ``mrope_section``).
@@ -265,17 +271,16 @@ class TorchLlama:
 
         ``embeds`` = ``(rows, values)`` replaces the token embeddings of flat rows ``rows`` by
         ``values`` (``[len(rows), hidden]``; e.g. image features at placeholder tokens); ``rope``
-        gives every token's cos and sin ``[n, head_dim]`` (e.g. from :meth:`mrope_tables`) instead
-        of the tables at ``batch.positions``. Both are for backends that extend this model; a
+        gives every token's cos and sin ``[n, rotary_dim]`` (e.g. from :meth:`mrope_tables`) instead
+        of the tables at ``batch.positions``, for every layer. Both are for backends that extend this model; a
         text-only step passes neither. ``deltas`` adds per-row deltas after the named projections
         (:class:`~mindie_host.backends.base.LinearDeltas`) when a row runs a model variant.
         """
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        if rope is None:
-            rope = self.dynamic_rope(batch)
+        tables = self.dynamic_rope(batch) if rope is None else {key: rope for key in self.ropes}
         # every sequence brings one token on the base model: the steps graphs and torch.compile serve
-        plain_decode = (deltas is None and rope is None and embeds is None and meta.max_query_len == 1
+        plain_decode = (deltas is None and tables is None and embeds is None and meta.max_query_len == 1
                         and meta.pad_index is None and meta.attn_mask is not None)
         if (
             plain_decode
@@ -293,7 +298,7 @@ class TorchLlama:
             hidden = self._call_compiled(compiled, ids, pos, idx, meta, kv_caches)
         else:
             prompt_rows = PromptRows.of(pos, batch.query_lens, batch.prompt_lens) if meta.max_query_len > 1 else None
-            hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, rope, embeds, prompt_rows)
+            hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, tables, embeds, prompt_rows)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
         return self.logits(hidden)
 
@@ -302,7 +307,11 @@ class TorchLlama:
         logits = self.platform.linear(hidden, self.lm_head_linear)
         if self.tp is not None:  # vocab-parallel: each rank computed its rows of the vocabulary
             logits = self.tp.gather_logits(logits, self.vocab_size)
-        return logits.float()
+        logits = logits.float()
+        if self.arch.logit_scale != 1.0:
+            logits = logits * self.arch.logit_scale
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def compile_decode(self, max_seqs: int, warm: list[tuple[ModelInput, AttentionMetadata]],
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -392,49 +401,34 @@ class TorchLlama:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         deltas: LinearDeltas | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
         prompt_rows: PromptRows | None = None,
     ) -> torch.Tensor:
         """The decoder over token ids ``ids`` at positions ``pos``: final-normed hidden states of the rows ``idx``.
 
-        ``rope`` gives each token's cos and sin where they do not come from the tables (dynamic NTK,
-        multimodal RoPE); ``embeds`` replaces the embeddings of some rows (see :meth:`forward`);
+        ``rope`` gives each token's cos and sin, by RoPE key, where they do not come from the tables (dynamic NTK,
+        longrope, multimodal RoPE); ``embeds`` replaces the embeddings of some rows (see :meth:`forward`);
         ``prompt_rows`` marks the prompt tokens, which the layers' products may multiply differently.
         """
-        arch, plat = self.arch, self.platform
-        cos = (rope[0] if rope is not None else self.cos[pos]).unsqueeze(1)
-        sin = (rope[1] if rope is not None else self.sin[pos]).unsqueeze(1)
+        plat = self.platform
+        if rope is None:
+            rope = {key: (cos[pos], sin[pos]) for key, (cos, sin) in self.tables.items()}
+        step = Step(platform=plat, meta=meta, kv_caches=kv_caches, deltas=deltas, prompt_rows=prompt_rows, tp=self.tp,
+                    rope={key: (cos.unsqueeze(1), sin.unsqueeze(1)) for key, (cos, sin) in rope.items()})
         x = F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed, self.vocab_size)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         if embeds is not None:  # e.g. image features at their placeholder tokens
             x[embeds[0]] = embeds[1].to(x.dtype)
-        n = ids.shape[0]
-        mlp_out: torch.Tensor | None = None  # the last layer's MLP output, added to x by the next norm
-        for li, layer in enumerate(self.layers):
-            x, h = plat.add_rms_norm(x, mlp_out, layer.input_norm, arch.rms_norm_eps)
-            qkv = plat.linear(h, layer.qkv, layer.qkv_bias, prompt_rows)
-            if deltas is not None:
-                qkv = deltas.apply("qkv", li, h, qkv)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(n, arch.num_heads, arch.head_dim)
-            k = k.view(n, arch.num_kv_heads, arch.head_dim)
-            v = v.view(n, arch.num_kv_heads, arch.head_dim)
-            q, k = plat.rotary(q, k, cos, sin)
-            k_cache, v_cache = kv_caches[li]
-            plat.write_kv(k_cache, v_cache, k, v, meta)
-            attn = plat.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(n, self.q_size)
-            o = plat.linear(attn, layer.o_proj, prompt_rows=prompt_rows)
-            if deltas is not None:
-                o = deltas.apply("o", li, attn, o)
-            if self.tp is not None:  # row-parallel: each rank holds a partial sum
-                o = self.tp.all_reduce(o)
-            x, h = plat.add_rms_norm(x, o, layer.post_norm, arch.rms_norm_eps)
-            add = None if deltas is None else functools.partial(_add_deltas, deltas, li)
-            d = plat.gated_mlp(h, layer.gate_up, layer.down, prompt_rows, add)
-            if self.tp is not None:
-                d = self.tp.all_reduce(d)
-            mlp_out = d
+        pending: torch.Tensor | None = None  # the last layer's branch output, added to x by the next norm
+        for layer in self.layers:
+            x, pending = layer(x, pending, step)
         x = x.index_select(0, idx)
-        if mlp_out is not None:  # the residual add of the rows asked for only
-            x = x + mlp_out.index_select(0, idx)
-        return plat.rms_norm(x, self.final_norm, arch.rms_norm_eps)
+        if pending is not None:  # the residual add of the rows asked for only
+            x = x + pending.index_select(0, idx)
+        return plat.rms_norm(x, self.final_norm, self.arch.rms_norm_eps)
+
+
+#: The old name, kept for the backends and plugins that import it.
+TorchLlama = DecoderModel

@@ -17,7 +17,7 @@ def mindie_host_backend_types() -> list[str]:
 
 
 @hookimpl
-def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any) -> TorchBackend | None:
+def mindie_host_model_backend(ctx: Any, backend_type: str, model_config: Any, config: Any) -> TorchBackend | None:
     if backend_type != "torch":
         return None
     path = model_config.modelWeightPath or str(default_model_path())
@@ -30,4 +30,5 @@ def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any)
         quantization=model_config.quantization,
         compile_decode=model_config.compile,
         platform=select_platform(model_config.device),
+        architectures=ctx.architectures,
     )

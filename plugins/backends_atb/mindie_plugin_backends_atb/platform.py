@@ -1,6 +1,6 @@
 """``NpuPlatform``: the host's :class:`~mindie_host.api.Platform` on Ascend NPUs through torch_npu.
 
-The host's torch model (:class:`~mindie_host.api.TorchLlama`) calls only the
+The host's torch model (:class:`~mindie_host.backend_api.DecoderModel`) calls only the
 platform for the operators that matter on an accelerator; this subclass routes
 each one to a torch_npu fused inference operator:
 

@@ -69,7 +69,7 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
 
 
 @hookimpl
-def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any) -> AtbBackend | None:
+def mindie_host_model_backend(ctx: Any, backend_type: str, model_config: Any, config: Any) -> AtbBackend | None:
     """An unloaded :class:`AtbBackend` on the NPU; raises ``NpuUnavailable`` (a ``RuntimeError``) naming what
     is missing (torch_npu, or a visible NPU) and how to install it."""
     if backend_type != BACKEND_TYPE:
@@ -82,4 +82,5 @@ def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any)
         dtype=model_config.dtype,
         platform=NpuPlatform(ops),
         memory_fraction=float(_options(config).get("memoryFraction", DEFAULT_MEMORY_FRACTION)),
+        architectures=ctx.architectures,
     )

@@ -1,6 +1,6 @@
 """Operator dispatch of NpuPlatform, run on the CPU with a STAND-IN torch_npu module (not the real one).
 
-The real host model (TorchLlama, tiny random Llama) runs through AtbBackend on an
+The real host model (DecoderModel, tiny random Llama) runs through AtbBackend on an
 NpuPlatform whose ``ops`` is :class:`StandInTorchNpu`: a recorder that computes
 each documented operator with plain torch. The logits must equal the plain torch
 backend's, and every operator must have gone to the named torch_npu function
@@ -62,8 +62,8 @@ def _steps() -> list[ModelInput]:
 def test_backends_atb_standin_dispatch_matches_torch_logits(tiny_path: Path) -> None:
     """Stand-in torch_npu: same logits as the torch backend at prefill, decode and chunked-prefill steps."""
     ref, atb, standin = _backends(tiny_path)
-    assert isinstance(atb.model.platform, NpuPlatform)  # the host's TorchLlama, run through the NPU platform
-    assert type(atb.model).__name__ == "TorchLlama"
+    assert isinstance(atb.model.platform, NpuPlatform)  # the host's DecoderModel, run through the NPU platform
+    assert type(atb.model).__name__ == "DecoderModel"
     assert atb.kv_caches[0][0].shape == (32, BLOCK, 2, 16)  # [blocks, block_size, KV, D]
     for batch in _steps():
         expect = ref.execute(batch)

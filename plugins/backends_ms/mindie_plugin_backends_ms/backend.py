@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mindie_host.api import ModelBackend, ModelInfo, ModelInput, ModelSource
-from mindie_host.backend_api import LlamaArch, Platform, count_tensors, iter_weights, load_arch
+from mindie_host.backend_api import LlamaArch, ModelLoadError, Platform, count_tensors, iter_weights, load_arch
 
 from .model import MsLlama, build_step
 from .runtime import mindspore_module
@@ -20,8 +20,16 @@ log = logging.getLogger("mindie_host.backends.ms")
 KV_ELEMENT_BYTES = 4
 
 
+#: what to say when a checkpoint is not of the family this backend implements
+OTHER_FAMILIES = ("backendType 'ms' implements the Llama family only (model_type llama, mistral, qwen2, smollm); "
+                  "backendType 'torch' serves every installed family")
+
+
 class MsBackend(ModelBackend):
-    """Llama-family models in MindSpore over the host's paged KV cache (float32, CPU)."""
+    """Llama-family models in MindSpore over the host's paged KV cache (float32, CPU).
+
+    Other families, and sliding-window attention, are refused at startup (:data:`OTHER_FAMILIES`).
+    """
 
     backend_type = "ms"
 
@@ -36,8 +44,11 @@ class MsBackend(ModelBackend):
         self.block_size = 0
 
     def load(self) -> ModelInfo:
+        try:
+            arch = load_arch(self.source)  # the host's builtin family: the one MsLlama implements
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{exc}: {OTHER_FAMILIES}") from exc
         ms = mindspore_module(self.num_threads)
-        arch = load_arch(self.source)
         self.arch = arch
         total = count_tensors(self.source)
         weights: dict[str, np.ndarray] = {}
@@ -51,6 +62,16 @@ class MsBackend(ModelBackend):
         return ModelInfo.from_arch(
             self.name, arch, dtype="float32", device="cpu", framework=f"mindspore {ms.__version__}"
         )
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Refuse a model whose sliding window would hide part of a sequence of ``max_positions`` tokens: this
+        backend's attention sees every cached position."""
+        assert self.arch is not None
+        window = self.arch.sliding_window
+        if window is not None and window < max_positions:
+            raise ModelLoadError(f"the model's sliding_window is {window} but backendType 'ms' has no sliding-window "
+                                 f"attention; lower ModelDeployConfig.maxSeqLen to {window} or less, or use "
+                                 "backendType 'torch'")
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         assert self.arch is not None

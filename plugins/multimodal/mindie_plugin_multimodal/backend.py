@@ -1,8 +1,8 @@
 """The ``torch`` backend for multimodal checkpoints: the host's LM plus transformers' vision modules.
 
-The language model runs in the host's :class:`~mindie_host.api.TorchLlama` over the paged
+The language model runs in the host's :class:`~mindie_host.backend_api.DecoderModel` over the paged
 KV cache, as for any text model. Each step, the rows of image placeholder tokens are
-replaced by image features (``TorchLlama.forward(embeds=...)``): every image of the step
+replaced by image features (``DecoderModel.forward(embeds=...)``): every image of the step
 whose features are not yet known is encoded in one vision forward (images of many
 requests together), its features are kept on the request's payload, and a prompt chunk
 (splitfuse) takes exactly the feature rows of the placeholder tokens it holds. For M-RoPE
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mindie_host.api import ModelInfo, ModelInput
-from mindie_host.backend_api import TorchBackend, TorchLlama
+from mindie_host.backend_api import DecoderModel, TorchBackend
 
 from .inputs import ImageItem, MultimodalPayload
 from .models import ModelSpec, VisionEncoder, read_spec, read_weights, text_arch
@@ -42,7 +42,7 @@ class MultimodalTorchBackend(TorchBackend):
         arch = text_arch(spec)
         lm, vision = read_weights(self.source.path)
         self.spec, self.arch = spec, arch
-        self.model = TorchLlama(arch, lm, self.platform, self.dtype, {})
+        self.model = DecoderModel(arch, lm, self.platform, self.dtype, {})
         self.vision = VisionEncoder(spec, vision, self.platform.device(), self.dtype)
         log.info("loaded %s (%s): LM %d layers, hidden %d; vision tower %s", self.name, spec.family,
                  arch.num_layers, arch.hidden_size, type(self.vision.tower).__name__)
