@@ -1,0 +1,26 @@
+"""mindie-plugin-models: the model families beyond Llama, one module each, for the host's torch backend.
+
+Each family is an :class:`~mindie_host.backend_api.Architecture`: how its ``config.json`` reads, how its tensors
+are named, what its layers are made of. The host's shared layers (paged-KV attention, RMSNorm, rotary embeddings,
+the gated MLP) serve them all; a family states only what makes it different.
+
+The plugin is enabled without a config entry when the served checkpoint's ``model_type`` is one of its families'
+(the ``mindie_host.architectures`` entry points in ``pyproject.toml``); listing ``models`` in ``plugin_params``
+also works.
+"""
+
+from __future__ import annotations
+
+from mindie_host.api import hookimpl
+from mindie_host.backend_api import Architecture
+
+from .qwen3 import QWEN3
+
+#: every family of this plugin
+FAMILIES: tuple[Architecture, ...] = (QWEN3,)
+
+
+@hookimpl
+def mindie_host_model_architectures() -> list[Architecture]:
+    """Qwen3."""
+    return list(FAMILIES)

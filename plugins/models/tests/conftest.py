@@ -1,0 +1,103 @@
+"""Tiny random models of each family, built from transformers' own config and model classes (session-scoped).
+
+Each config is small (a few layers, hidden 128, head dim 64 so the CPU attention kernels serve it) but sets what
+makes its family different: Qwen3's per-head norms and a sliding layer, Qwen2.5's bias, Mistral's window (both
+builtin), GLM's partial interleaved
+rotary (and GLM-4's extra norms), Gemma 3's sliding and global layers with their own RoPE and a window shorter than
+the prompts, Phi-3's LongRoPE with prompts past ``original_max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mindie_host.testing import make_tiny_model
+
+#: every family's tiny model sees prompts of these lengths: all past the windows (16) and Phi-3's original context
+PROMPT_LENGTHS = (17, 24, 33, 47)
+WINDOW = 16
+SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 256,
+}
+
+
+@dataclass
+class Spec:
+    """A family's tiny model: transformers' config and model class names, and the config's keys."""
+
+    config: str
+    model: str
+    keys: dict[str, Any] = field(default_factory=dict)
+
+    def classes(self) -> tuple[Any, Any]:
+        import transformers
+
+        return getattr(transformers, self.config), getattr(transformers, self.model)
+
+
+SPECS: dict[str, Spec] = {
+    "qwen3": Spec(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            **SHAPE,
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    ),
+    "qwen2": Spec("Qwen2Config", "Qwen2ForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
+    "mistral": Spec("MistralConfig", "MistralForCausalLM", {**SHAPE, "num_hidden_layers": 2, "sliding_window": WINDOW}),
+}
+
+
+#: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
+PLUGIN_FAMILIES = ["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_family(name)``: the path of family ``name``'s tiny model, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            config_class, model_class = SPECS[name].classes()
+            built[name] = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{name}"), config_class, model_class, **SPECS[name].keys
+            )
+        return built[name]
+
+    return get
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """The four prompts (token ids below ``vocab``), of :data:`PROMPT_LENGTHS`."""
+    return [[(37 * i + 101 * n + 7) % (vocab - 200) + 100 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread while transformers computes a reference: its tiny steps gain nothing from two, and on a
+    busy machine the idle thread's spinning costs more than the step."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
