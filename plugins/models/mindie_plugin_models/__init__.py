@@ -14,13 +14,14 @@ from __future__ import annotations
 from mindie_host.api import hookimpl
 from mindie_host.backend_api import Architecture
 
+from .glm import GLM, GLM4
 from .qwen3 import QWEN3
 
 #: every family of this plugin
-FAMILIES: tuple[Architecture, ...] = (QWEN3,)
+FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4)
 
 
 @hookimpl
 def mindie_host_model_architectures() -> list[Architecture]:
-    """Qwen3."""
+    """Qwen3 and GLM (``glm`` and ``glm4``)."""
     return list(FAMILIES)

@@ -61,11 +61,13 @@ SPECS: dict[str, Spec] = {
     ),
     "qwen2": Spec("Qwen2Config", "Qwen2ForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
     "mistral": Spec("MistralConfig", "MistralForCausalLM", {**SHAPE, "num_hidden_layers": 2, "sliding_window": WINDOW}),
+    "glm": Spec("GlmConfig", "GlmForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
+    "glm4": Spec("Glm4Config", "Glm4ForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
 }
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4"]
 
 
 @pytest.fixture(scope="session")

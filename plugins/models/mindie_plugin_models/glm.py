@@ -1,0 +1,63 @@
+"""GLM-4 in both of transformers' forms: ``glm`` (``GlmForCausalLM``, glm-4-9b-chat-hf) and ``glm4``
+(``Glm4ForCausalLM``, GLM-4-0414).
+
+Both rotate only the first part of each head (``partial_rotary_factor``, 0.5) and pair its values interleaved
+(``(0, 1), (2, 3) ...``) where the shared layers pair them as halves (``(0, d/2), (1, d/2 + 1) ...``). Reordering
+the rotary rows of each query and key head the same way turns one convention into the other without changing a
+single ``q . k`` product (:meth:`GlmFamily.adapt`), so the shared rotary kernels serve GLM. The MLP's
+``gate_up_proj`` is fused in the checkpoint and is split into gate and up. ``glm4`` adds a norm on each branch's
+output before the residual add (``post_self_attn_layernorm``, ``post_mlp_layernorm``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mindie_host.backend_api import Architecture, ModelArch, Norms, Piece, split_rows
+
+#: the projections whose rows carry the rotary dimensions
+ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+
+
+def interleaved_to_halves(rows: np.ndarray, head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Reorder the rows of whole heads so that each head's rotary part goes from interleaved pairs to halves:
+    new row ``j`` is old row ``2j`` and new row ``rotary_dim / 2 + j`` old row ``2j + 1``; the rest stay."""
+    order = np.concatenate([np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2), np.arange(rotary_dim, head_dim)])
+    heads = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return np.ascontiguousarray(heads[:, order]).reshape(rows.shape)
+
+
+class GlmFamily(Architecture):
+    """``glm``: Llama's layer with partial interleaved RoPE, biased Q/K/V and a fused gate/up projection."""
+
+    name = "glm"
+    model_types = ("glm",)
+    partial_rotary = True
+    default_attention_bias = True
+
+    def tensor_pieces(self, name: str, arch: ModelArch) -> list[Piece]:
+        """``mlp.gate_up_proj`` as ``gate_proj`` and ``up_proj``; the rest under their own names."""
+        inter = arch.intermediate_size
+        fused = split_rows(
+            name, "mlp.gate_up_proj.weight", [("mlp.gate_proj.weight", inter), ("mlp.up_proj.weight", inter)]
+        )
+        return fused if fused is not None else [Piece(name)]
+
+    def adapt(self, name: str, array: np.ndarray, arch: ModelArch) -> np.ndarray:
+        """Query and key rows reordered from interleaved to half-split rotary pairs."""
+        if name.endswith(ROTATED):
+            rotary = int(arch.head_dim * arch.partial_rotary_factor)
+            return interleaved_to_halves(array, arch.head_dim, rotary)
+        return array
+
+
+class Glm4Family(GlmFamily):
+    """``glm4``: :class:`GlmFamily` with a norm on the attention's and the MLP's outputs."""
+
+    name = "glm4"
+    model_types = ("glm4",)
+    norms = Norms(attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
+
+
+GLM = GlmFamily()
+GLM4 = Glm4Family()
