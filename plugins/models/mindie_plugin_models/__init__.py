@@ -14,14 +14,15 @@ from __future__ import annotations
 from mindie_host.api import hookimpl
 from mindie_host.backend_api import Architecture
 
+from .gemma3 import GEMMA3
 from .glm import GLM, GLM4
 from .qwen3 import QWEN3
 
 #: every family of this plugin
-FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4)
+FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3)
 
 
 @hookimpl
 def mindie_host_model_architectures() -> list[Architecture]:
-    """Qwen3 and GLM (``glm`` and ``glm4``)."""
+    """Qwen3, GLM (``glm`` and ``glm4``) and Gemma 3 (text)."""
     return list(FAMILIES)

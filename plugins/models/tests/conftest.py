@@ -63,11 +63,48 @@ SPECS: dict[str, Spec] = {
     "mistral": Spec("MistralConfig", "MistralForCausalLM", {**SHAPE, "num_hidden_layers": 2, "sliding_window": WINDOW}),
     "glm": Spec("GlmConfig", "GlmForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
     "glm4": Spec("Glm4Config", "Glm4ForCausalLM", {**SHAPE, "num_hidden_layers": 2}),
+    "gemma3_text": Spec(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **SHAPE,
+            "num_hidden_layers": 3,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 48,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "final_logit_softcapping": 20.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+            },
+        },
+    ),
+    "gemma3": Spec(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "text_config": {
+                **SHAPE,
+                "num_hidden_layers": 2,
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "mm_tokens_per_image": 4,
+        },
+    ),
 }
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3", "glm", "glm4"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text"]
 
 
 @pytest.fixture(scope="session")
