@@ -16,13 +16,14 @@ from mindie_host.backend_api import Architecture
 
 from .gemma3 import GEMMA3
 from .glm import GLM, GLM4
+from .phi3 import PHI3
 from .qwen3 import QWEN3
 
 #: every family of this plugin
-FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3)
+FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3)
 
 
 @hookimpl
 def mindie_host_model_architectures() -> list[Architecture]:
-    """Qwen3, GLM (``glm`` and ``glm4``) and Gemma 3 (text)."""
+    """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text) and Phi-3."""
     return list(FAMILIES)

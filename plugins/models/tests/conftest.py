@@ -100,11 +100,28 @@ SPECS: dict[str, Spec] = {
             "mm_tokens_per_image": 4,
         },
     ),
+    "phi3": Spec(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            **{k: v for k, v in SHAPE.items() if k != "head_dim"},
+            "hidden_size": 256,
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 16,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10_000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                "long_factor": [1.0 + 0.5 * i for i in range(32)],
+            },
+        },
+    ),
 }
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3"]
 
 
 @pytest.fixture(scope="session")
