@@ -36,6 +36,15 @@ from .engine.policy import (
 )
 from .engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from .engine.sequence import SequenceView
+from .engine.speculation import (
+    OPT_OUT_FIELD,
+    DraftOutcome,
+    DraftRequest,
+    Drafts,
+    opted_out,
+    read_opt_out,
+    speculation_metrics,
+)
 from .host import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.weights import ModelSource, resolve_model
@@ -55,6 +64,9 @@ __all__ = [
     "RequestContext",
     "SchedulingContext",
     "DEFAULT_MODEL_NAME",
+    "DraftOutcome",
+    "DraftRequest",
+    "Drafts",
     "EngineRequest",
     "HermesToolParser",
     "JsonToolParser",
@@ -78,6 +90,10 @@ __all__ = [
     "default_model_path",
     "hookimpl",
     "least_urgent",
+    "OPT_OUT_FIELD",
+    "opted_out",
+    "read_opt_out",
+    "speculation_metrics",
     "make_call",
     "order_fcfs",
     "order_priority",

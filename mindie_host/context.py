@@ -91,7 +91,7 @@ class RequestContext(PluginContext):
 
 @dataclass(frozen=True)
 class SchedulingContext(PluginContext):
-    """Context of the scheduling-policy hooks: queue order, admission filter, step plan, preemption.
+    """Context of the scheduling-policy hooks: queue order, admission filter, step plan, preemption, draft tokens.
 
     These run on the engine thread (in the engine process when ``engineProcess``
     is on), once per step: keep them cheap. ``config.schedule`` holds the
@@ -139,6 +139,8 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_filter_waiting": SchedulingContext,
     "mindie_host_plan_step": SchedulingContext,
     "mindie_host_preemption_victim": SchedulingContext,
+    "mindie_host_propose_drafts": SchedulingContext,
+    "mindie_host_drafts_accepted": SchedulingContext,
     "mindie_host_kv_cache_manager": KVContext,
     "mindie_host_kv_connector": KVContext,
     "mindie_host_model_backend": BackendContext,

@@ -17,7 +17,7 @@ The hooks fall into five concerns:
 
 * lifecycle: validating a plugin's own config, startup, shutdown, metrics;
 * request parsing: protocol routes, refining an engine request, tool-call parsers;
-* scheduling policy: ordering the waiting queue, planning each step's batch;
+* scheduling policy: ordering the waiting queue, planning each step's batch, proposing draft tokens;
 * KV-cache management: the block manager (allocate, share, free, evict), and the connector that
   moves blocks between prefill and decode instances;
 * model backend: the runner for a ``backendType``, and the model families (architectures) it can load.
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .engine.policy import SchedulerState, StepPlan
     from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
+    from .engine.speculation import DraftOutcome, DraftRequest, Drafts
     from .host import Host
     from .models.architecture import Architecture
 
@@ -315,6 +316,37 @@ def mindie_host_preemption_victim(ctx: SchedulingContext, running: list[Sequence
         ``needed_by`` itself waits). firstresult; the builtin picks the least urgent
         (highest ``priority`` number), latest-arrived sequence. An answer that is not
         among ``running`` is an error: the engine logs it and uses the builtin's choice.
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
+    """Propose draft tokens for the decoding sequences of one step (speculative decoding).
+
+    :param seqs: one :class:`~mindie_host.engine.speculation.DraftRequest` per sequence that
+        decodes in this step and may take drafts (read-only: its tokens so far, the request's
+        sampling parameters and ``extensions``, ``max_drafts``). Called once per step with the
+        whole batch, so a draft model runs one batched pass, not one per sequence.
+    :return: a list aligned with ``seqs``: for each, a :class:`~mindie_host.engine.speculation.Drafts`
+        (up to ``max_drafts`` tokens, and ``probs``, the distributions a sampling draft model drew
+        them from, or ``None`` for a deterministic proposer) or ``None`` for no drafts; or ``None``
+        to defer. The engine verifies every draft in the step's one forward pass of the target
+        model, exactly: the output distribution is the target's (greedy output token-identical to
+        decoding without drafts), only faster when drafts are accepted. Called on the engine
+        thread, before the forward pass: keep it cheap; an exception or a malformed answer is
+        logged and the step runs without drafts. firstresult.
+    """
+
+
+@hookspec
+def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutcome]) -> None:
+    """Hear what became of the drafts of one step, to roll the proposer's own state back.
+
+    :param outcomes: one :class:`~mindie_host.engine.speculation.DraftOutcome` per sequence
+        whose drafts were verified: how many were proposed and accepted, the sequence's token
+        count after the step, and whether it finished. Tokens past the accepted drafts were
+        never appended (a draft model drops its KV of them). Called once per step on the
+        engine thread, after the outputs are made. Not firstresult.
     """
 
 

@@ -31,6 +31,7 @@ from .request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from .sampling import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .speculation import DraftOutcome, Drafts, Speculator
 from .swap import SwapSpace
 
 log = logging.getLogger("mindie_host.engine")
@@ -76,6 +77,8 @@ class LLMEngine:
         self.counters: Counter[str] = Counter()
         self.scheduler = Scheduler(kv, scheduler_limits, hook, config, backend, self.counters, swap)
         self.outputs = OutputProcessor(tokenizer, model_info.eos_token_ids, model_info.vocab_size)
+        #: draft tokens from the proposer hook, verified in each step's forward pass
+        self.speculator = Speculator(hook, kv, self.outputs, self.counters, model_info.vocab_size)
         self._next_seq_id = 0
         self.last_step_time = 0.0
         #: PD disaggregation (inferMode dmi): KV held for D instances, or pulled from P instances
@@ -187,7 +190,8 @@ class LLMEngine:
             if not outputs and self.handoff is not None and self.handoff.busy():
                 time.sleep(0.002)  # only transfers in flight: poll them without spinning a core
             return outputs
-        batch, samplers = self._build_input(plan)
+        drafts = self.speculator.propose(plan) if self.speculator.active() else {}
+        batch, samplers, verifying = self._build_input(plan, drafts)
         t0 = time.perf_counter()
         try:
             logits = self.backend.execute(batch)
@@ -202,11 +206,22 @@ class LLMEngine:
         self.counters["steps"] += 1
         self.counters["batched_tokens"] += len(batch.input_ids)
         outputs.extend(self._process(plan, logits, samplers))
+        if verifying:
+            outputs.extend(self._verify(logits, verifying))
         return outputs
 
     # -- forward input ------------------------------------------------------------------------
-    def _build_input(self, plan: StepPlan) -> tuple[ModelInput, list[tuple[Sequence, int, int]]]:
-        """Flatten the plan; returns the input and (seq, first logits row, rows) for sampling."""
+    def _build_input(
+        self, plan: StepPlan, drafts: dict[int, Drafts]
+    ) -> tuple[ModelInput, list[tuple[Sequence, int, int]], list[tuple[Sequence, int, Drafts]]]:
+        """Flatten the plan; returns the input, (seq, first logits row, rows) for sampling and (seq, first
+        logits row, drafts) for verification.
+
+        A sequence with drafts brings its last token and the drafts, each as a one-token decode row of its
+        own (a query of one at its position, over the sequence's block table, with the context up to it):
+        the backend computes every such row as it computes a plain decode row there.
+        """
+        verifying: list[tuple[Sequence, int, Drafts]] = []
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
@@ -220,6 +235,20 @@ class LLMEngine:
         for seq, n in plan.scheduled:  # type: ignore[assignment]
             start = seq.num_computed
             flat0 = len(ids)
+            draft = drafts.get(seq.seq_id)
+            if draft is not None:
+                table = self.kv.block_table(seq)
+                for j, token in enumerate([seq.token_ids[start], *draft.tokens]):
+                    ids.append(token)
+                    positions.append(start + j)
+                    q_lens.append(1)
+                    ctx_lens.append(start + j + 1)
+                    tables.append(table)
+                    variants.append(seq.variant)
+                    prompt_lens.append(seq.prompt_len)
+                verifying.append((seq, len(logits_idx), draft))
+                logits_idx.extend(range(flat0, len(ids)))
+                continue
             if seq.request.payload is not None:  # plugin-owned (e.g. images); the backend reads it
                 payloads = payloads or []
                 payloads.append(PayloadSlice(len(q_lens), flat0, start, n, seq.request.payload))
@@ -254,6 +283,7 @@ class LLMEngine:
                 prompt_lens=prompt_lens,
             ),
             samplers,
+            verifying,
         )
 
     # -- after the forward pass ------------------------------------------------------------------
@@ -286,6 +316,30 @@ class LLMEngine:
                 continue
             outputs.append(self._take_tokens(seq, (token,), (lp,), now))
         self.counters["generation_tokens"] += len(to_sample)
+        return outputs
+
+    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Sequence, int, Drafts]]) -> list[RequestOutput]:
+        """Verify each sequence's drafts against its rows, append what is accepted (and the target's next token),
+        and roll the KV of the rejected drafts back."""
+        outputs: list[RequestOutput] = []
+        outcomes: list[DraftOutcome] = []
+        now = time.monotonic()
+        for seq, first, draft in verifying:
+            if seq.status == SequenceStatus.FINISHED:
+                continue
+            try:
+                tokens, lps, accepted = self.speculator.verify(seq, logits[first : first + len(draft.tokens) + 1], draft)
+            except Exception as exc:
+                outputs.append(self._fail(seq, "verifying draft tokens", exc))
+                continue
+            outputs.append(self._take_tokens(seq, tokens, lps, now))
+            finished = seq.status == SequenceStatus.FINISHED
+            if not finished:
+                self.speculator.settle(seq, accepted)
+            self.counters["generation_tokens"] += len(tokens)
+            outcomes.append(DraftOutcome(seq.seq_id, seq.request_id, len(draft.tokens), accepted, seq.num_tokens,
+                                         finished))
+        self.speculator.count(outcomes)
         return outputs
 
     def _take_tokens(

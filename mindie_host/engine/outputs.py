@@ -34,10 +34,11 @@ class OutputProcessor:
         seq.detok_state = self.detok.start(seq.prompt_len)
 
     # -- stop rules ----------------------------------------------------------------------------
-    def banned_tokens(self, seq: Sequence) -> list[int] | None:
-        """EOS and stop tokens may not be sampled until ``min_tokens`` outputs exist."""
+    def banned_tokens(self, seq: Sequence, ahead: int = 0) -> list[int] | None:
+        """EOS and stop tokens may not be sampled until ``min_tokens`` outputs exist (counting ``ahead`` tokens
+        not appended yet: the draft tokens before a verification row)."""
         params = seq.request.sampling
-        if seq.num_output_tokens >= params.min_tokens:
+        if seq.num_output_tokens + ahead >= params.min_tokens:
             return None
         banned = [t for t in params.stop_token_ids if 0 <= t < self.vocab_size]  # ids the model cannot emit need no ban
         if not params.ignore_eos:

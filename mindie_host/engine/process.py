@@ -68,7 +68,7 @@ ENGINE_HOOKS = frozenset({
     "mindie_host_order_waiting", "mindie_host_filter_waiting", "mindie_host_plan_step",
     "mindie_host_preemption_victim", "mindie_host_linear_deltas", "mindie_host_request_arrived",
     "mindie_host_request_finished", "mindie_host_engine_command", "mindie_host_kv_connector",
-    "mindie_host_model_architectures",
+    "mindie_host_model_architectures", "mindie_host_propose_drafts", "mindie_host_drafts_accepted",
 })
 
 

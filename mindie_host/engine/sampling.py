@@ -64,6 +64,28 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / total if total > 0 else torch.softmax(logits, dim=-1)
 
 
+def constrain_row(
+    row: torch.Tensor,
+    params: SamplingParams,
+    prompt: list[int],
+    output: list[int],
+    allowed: list[int] | None,
+    banned: list[int] | None,
+) -> None:
+    """Penalties, ``logit_bias``, the allowed set and the banned tokens, applied in place to one float row of
+    logits: what the sampler draws from (and reports logprobs of) before temperature and the filters."""
+    if params.needs_penalties:
+        apply_penalties(row, params, prompt, output)
+    if params.logit_bias:
+        apply_logit_bias(row, params.logit_bias)
+    if allowed is not None:
+        mask = torch.full_like(row, float("-inf"))
+        mask[torch.tensor(allowed, dtype=torch.long)] = 0.0
+        row += mask
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+
+
 def make_generator(seed: int) -> torch.Generator:
     """A CPU generator seeded from a (possibly 64-bit) request seed."""
     g = torch.Generator()
@@ -114,17 +136,7 @@ class Sampler:
         if special and logits.is_inference():
             logits = logits.clone()  # penalties and masks edit rows in place; inference tensors forbid that
         for i in special:
-            p = params[i]
-            if p.needs_penalties:
-                apply_penalties(logits[i], p, prompts[i], outputs[i])
-            if p.logit_bias:
-                apply_logit_bias(logits[i], p.logit_bias)
-            if allowed[i] is not None:
-                mask = torch.full_like(logits[i], float("-inf"))
-                mask[torch.tensor(allowed[i], dtype=torch.long)] = 0.0
-                logits[i] += mask
-            if banned[i]:
-                logits[i, torch.tensor(banned[i], dtype=torch.long)] = float("-inf")
+            constrain_row(logits[i], params[i], prompts[i], outputs[i], allowed[i], banned[i])
         tokens = logits.argmax(dim=-1).tolist()
         for i in special:
             p = params[i]
