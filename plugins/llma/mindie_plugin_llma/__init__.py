@@ -1,0 +1,107 @@
+"""mindie-host plugin ``llma``: inference with reference (LLMA, also called prompt lookup), a draft-token proposer.
+
+Summaries, answers over retrieved documents, code edits and chat over a document repeat their
+input. Each step this plugin looks for the last few tokens of every decoding sequence earlier
+in its own tokens (prompt and output, longest n-gram first) and proposes the tokens that followed
+there as drafts; the engine verifies them in the step's one forward pass (the output is the
+model's own, token for token under greedy decoding) and every accepted draft is a token gained
+for nearly nothing: a decode step on CPU reads all the weights whether it checks one row or five.
+There is no extra model and the lookup costs microseconds per sequence.
+
+Enabled per model::
+
+    "ModelConfig": [{"plugin_params": "{\\"plugin_type\\":\\"llma\\"}", ...}]
+    "Plugins": {"llma": {"numSpeculativeTokens": 4, "maxNgram": 3, "minNgram": 2, "maxBatchSize": 8}}
+
+A request opts out with ``"speculative_decoding": false`` in its body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, StrictInt, model_validator
+
+from mindie_host.api import (
+    DraftRequest,
+    Drafts,
+    EngineRequest,
+    Host,
+    LifecycleContext,
+    RequestContext,
+    SchedulingContext,
+    hookimpl,
+    opted_out,
+    read_opt_out,
+    speculation_metrics,
+)
+
+from .lookup import NgramIndex
+
+__all__ = ["PLUGIN_NAME", "NgramIndex", "Params"]
+
+PLUGIN_NAME = "llma"
+
+
+class Params(BaseModel):
+    """``Plugins.llma``."""
+
+    #: the most draft tokens proposed per sequence and step (k)
+    numSpeculativeTokens: StrictInt = Field(default=4, ge=1, le=16)
+    #: the longest n-gram looked up (tried first)
+    maxNgram: StrictInt = Field(default=3, ge=1, le=16)
+    #: the shortest n-gram looked up: the minimum match length
+    minNgram: StrictInt = Field(default=2, ge=1, le=16)
+    #: no drafts in a step with more decoding sequences than this: verification then costs more than it saves
+    maxBatchSize: StrictInt = Field(default=8, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> Params:
+        if self.minNgram > self.maxNgram:
+            raise ValueError(f"minNgram ({self.minNgram}) must be at most maxNgram ({self.maxNgram})")
+        return self
+
+
+class State:
+    """One n-gram index per live request."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, NgramIndex] = {}
+
+
+@hookimpl
+def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any]) -> None:
+    """``speculative_decoding: false`` turns the drafts off for this request (a non-boolean is a 400)."""
+    read_opt_out(request, body)
+
+
+@hookimpl
+def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
+    """Copy what followed the latest earlier occurrence of each sequence's last n-gram."""
+    params: Params = ctx.params
+    if len(seqs) > params.maxBatchSize:
+        return None
+    indexes = ctx.state.indexes
+    out: list[Drafts | None] = []
+    for s in seqs:
+        if opted_out(s):
+            out.append(None)
+            continue
+        index = indexes.get(s.request_id)
+        if index is None:
+            index = indexes[s.request_id] = NgramIndex(params.minNgram, params.maxNgram)
+        tokens = index.propose(s.token_ids, min(params.numSpeculativeTokens, s.max_drafts))
+        out.append(Drafts(tokens) if tokens else None)
+    return out
+
+
+@hookimpl
+def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
+    """Drop the request's index."""
+    ctx.state.indexes.pop(request.request_id, None)
+
+
+@hookimpl
+def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float]:
+    """Drafts proposed and accepted, the acceptance rate and the mean accepted length (/metrics, /metrics-json)."""
+    return speculation_metrics(host.stats())

@@ -1,0 +1,78 @@
+"""The ``llma`` plugin: n-gram lookup over a sequence's own tokens, and greedy output identical to decoding without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mindie_plugin_llma import NgramIndex
+
+from mindie_host.api import EngineRequest, RequestError, SamplingParams, read_opt_out
+from mindie_host.plugins import PluginError
+from mindie_host.testing import loaded_host, run_engine, server_config
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match() -> None:
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3]
+    # "1 2 3" ended at 7 last (then 4 5 7 ...) and at 2 before: the latest wins
+    assert index.propose(tokens, 3) == [4, 5, 7]
+    tokens += [4, 5, 8]  # the index grows incrementally; "5 8" is new, "8" too: no match
+    assert index.propose(tokens, 3) == []
+    tokens += [1]  # a 1-gram matches at 11: what followed it there
+    assert index.propose(tokens, 2) == [2, 3]
+    assert NgramIndex(2, 2).propose([5, 6], 4) == []  # nothing before the suffix
+
+
+def test_opt_out_field_is_validated() -> None:
+    req = EngineRequest("a", [1], SamplingParams())
+    read_opt_out(req, {"speculative_decoding": False})
+    assert req.extensions["speculative_decoding"] is False
+    with pytest.raises(RequestError) as err:
+        read_opt_out(req, {"speculative_decoding": "no"})
+    assert err.value.status == 400 and err.value.field == "speculative_decoding"
+
+
+def test_params_are_validated(tiny_model: Path) -> None:
+    cfg = server_config(tiny_model, model={"plugin_params": '{"plugin_type": "llma"}'},
+                        plugins={"llma": {"minNgram": 4, "maxNgram": 2}})
+    with pytest.raises(PluginError, match="minNgram"):
+        loaded_host(cfg)
+
+
+PROMPTS = [
+    "Copy this exactly: alpha beta gamma delta epsilon zeta eta theta. Again: alpha beta gamma",
+    "def area(r):\n    return 3.14 * r * r\n\n# rename r to radius\ndef area(radius):\n",
+    "one two three four one two three four one two",
+    "Hello",
+]
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_model: Path) -> tuple[Any, Any]:
+    off = loaded_host(server_config(tiny_model))
+    on = loaded_host(server_config(tiny_model, model={"plugin_params": '{"plugin_type": "llma"}'},
+                                   plugins={"llma": {"numSpeculativeTokens": 5, "minNgram": 1}}))
+    return off, on
+
+
+def test_greedy_output_is_identical_with_lookup_drafts(hosts: tuple[Any, Any]) -> None:
+    off, on = hosts
+
+    def reqs(host: Any) -> list[EngineRequest]:
+        return [EngineRequest(f"q{i}", host.tokenizer.encode(p), SamplingParams(max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(PROMPTS)]
+
+    want = run_engine(off, reqs(off))
+    got = run_engine(on, reqs(on))
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    stats = on.llm.stats()
+    assert stats["spec_draft_tokens"] > 0  # (a random model rarely copies: acceptance is tests/test_speculation.py's)
+    assert on.plugins.state("llma").indexes == {}  # released with the requests
+    # a request that opts out gets no drafts
+    before = on.llm.stats()["spec_draft_tokens"]
+    req = reqs(on)[2]
+    req.extensions["speculative_decoding"] = False
+    assert run_engine(on, [req])["q2"].token_ids == want["q2"].token_ids
+    assert on.llm.stats()["spec_draft_tokens"] == before
