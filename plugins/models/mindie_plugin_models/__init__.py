@@ -16,14 +16,15 @@ from mindie_host.backend_api import Architecture
 
 from .gemma3 import GEMMA3
 from .glm import GLM, GLM4
+from .moe import MIXTRAL, QWEN3_MOE
 from .phi3 import PHI3
 from .qwen3 import QWEN3
 
 #: every family of this plugin
-FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3)
+FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)
 
 
 @hookimpl
 def mindie_host_model_architectures() -> list[Architecture]:
-    """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text) and Phi-3."""
+    """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text), Phi-3, Qwen3-MoE and Mixtral."""
     return list(FAMILIES)

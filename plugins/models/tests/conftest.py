@@ -100,6 +100,24 @@ SPECS: dict[str, Spec] = {
             "mm_tokens_per_image": 4,
         },
     ),
+    "qwen3_moe": Spec(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            **SHAPE,
+            "num_hidden_layers": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "mixtral": Spec(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**SHAPE, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64},
+    ),
     "phi3": Spec(
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -121,7 +139,9 @@ SPECS: dict[str, Spec] = {
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3", "qwen3_moe", "mixtral"]
+#: the families whose every MLP product the int8 weight schemes serve (a mixture keeps its experts in float)
+DENSE_FAMILIES = PLUGIN_FAMILIES[:5]
 
 
 @pytest.fixture(scope="session")

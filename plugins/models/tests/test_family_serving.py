@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import PLUGIN_FAMILIES
+from conftest import DENSE_FAMILIES, PLUGIN_FAMILIES
 from mindie_host.api import ModelInput
 from mindie_host.engine.request import EngineRequest
 from mindie_host.engine.sampling import SamplingParams
@@ -114,7 +114,7 @@ def _logits(backend: Any, prompt: list[int]) -> torch.Tensor:
     return torch.cat([backend.execute(prefill), backend.execute(decode)])
 
 
-@pytest.mark.parametrize("name", PLUGIN_FAMILIES)
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
 def test_int8_kv_cache_and_weight_schemes(name: str, tiny_family: Callable[[str], Path]) -> None:
     """w8a16, and w8a8 with an int8 KV cache, against fp32: every decoder product runs in int8, the logits stay
     within a few percent of the largest (the Llama path's bounds) and the top token mostly agrees (tiny random

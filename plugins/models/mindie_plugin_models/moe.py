@@ -1,0 +1,207 @@
+"""Mixtures of experts: Qwen3-MoE (``qwen3_moe``) and Mixtral (``mixtral``).
+
+Each sparse layer's MLP is a router (``mlp.gate``: one logit per expert) and ``E`` gated experts. A token's router
+logits go through a softmax (in float32), its ``num_experts_per_tok`` best experts are kept, and their weights are
+renormalized to sum to one (Mixtral always; Qwen3-MoE when ``norm_topk_prob``); the layer's output is the weighted
+sum of those experts' outputs. Dispatch is batched: the step's (token, expert) pairs are sorted by expert, and each
+expert that some token chose runs once over all of its tokens (a loop over experts, never over tokens), adding its
+rows in expert order as transformers does, so float32 results are the same.
+
+Qwen3-MoE is Qwen3's attention (per-head q/k norms); its ``mlp_only_layers`` (and the layers ``decoder_sparse_step``
+skips) keep a dense MLP. Mixtral is Mistral's attention; its ``block_sparse_moe.experts.N.w1/w3/w2`` are read under
+the canonical ``mlp.experts.N.gate_proj/up_proj/down_proj`` names.
+
+Under tensor parallelism every rank holds every expert's share of the intermediate channels (like the dense MLP's
+split), and the output is reduced over the ranks. The int8 weight schemes quantize the attention's products and the
+dense layers' MLPs; the experts stay in the model's dtype (the log line says so).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mindie_host.backend_api import (
+    Architecture,
+    DecoderLayer,
+    ModelArch,
+    ModelLoadError,
+    Piece,
+    Step,
+    dense_attention,
+    dense_mlp,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SparseMoE:
+    """Top-k routed gated experts over a step's tokens (``h [T, H] -> [T, H]``)."""
+
+    def __init__(
+        self,
+        *,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        float_weights: bool,
+    ) -> None:
+        #: ``[E, H]``, ``[E, 2I, H]`` (gate rows, then up rows), ``[E, H, I]``
+        self.router, self.gate_up, self.down = router, gate_up, down
+        self.num_experts = router.shape[0]
+        self.top_k, self.renormalize = top_k, renormalize
+        #: whether the routing weights multiply the experts' outputs in float32 (Mixtral) or in the model's dtype
+        self.float_weights = float_weights
+
+    def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        probs = torch.softmax(F.linear(h, self.router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float_weights:
+            weights = weights.to(h.dtype)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        slot_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        x = h.index_select(0, tokens)
+        out = torch.zeros_like(h)
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            rows = slice(start, start + count)
+            gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * slot_weights[rows, None]
+            out.index_add_(0, tokens[rows], y.to(out.dtype))
+            start += count
+        return out if step.tp is None else step.tp.all_reduce(out)
+
+
+class MoEFamily(Architecture):
+    """A decoder whose sparse layers route each token to ``num_experts_per_tok`` of ``E`` experts."""
+
+    #: whether the kept experts' weights are renormalized when the config does not say (``norm_topk_prob``)
+    renormalize_default: bool = True
+    #: whether the routing weights stay float32 when they multiply the experts' outputs
+    float_weights: bool = False
+
+    def read_config(self, cfg: dict[str, Any], directory: Any = None) -> ModelArch:
+        """The base reading plus the experts' counts and sizes and which layers are sparse."""
+        arch = super().read_config(cfg, directory)
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if not experts:
+            raise ModelLoadError(f"config.json: a {self.name} checkpoint needs num_experts (or num_local_experts)")
+        top_k = int(cfg.get("num_experts_per_tok", 2))
+        if not 1 <= top_k <= int(experts):
+            raise ModelLoadError(f"config.json: num_experts_per_tok {top_k} must be between 1 and {experts}")
+        arch.options.update(
+            num_experts=int(experts),
+            top_k=top_k,
+            renormalize=bool(cfg.get("norm_topk_prob", self.renormalize_default)),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or arch.intermediate_size),
+            sparse_layers=self.sparse_layers(cfg, arch.num_layers),
+        )
+        return arch
+
+    def sparse_layers(self, cfg: dict[str, Any], layers: int) -> list[int]:
+        """The layers whose MLP is a mixture of experts (all of them)."""
+        return list(range(layers))
+
+    def shard(self, name: str, arch: ModelArch, tp: Any) -> tuple[int, int, int] | None:
+        """Each expert's intermediate channels split as the dense MLP's are; the router whole on every rank."""
+        if ".mlp.experts." in name:
+            lo, hi = tp.span(arch.options["moe_intermediate_size"])
+            return (1, lo, hi) if name.endswith("down_proj.weight") else (0, lo, hi)
+        return tp.slice_of(name, arch)
+
+    def parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
+        """The experts' intermediate channels must divide too."""
+        size = arch.options["moe_intermediate_size"]
+        if size % world_size:
+            return [f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
+        return []
+
+    def build_layer(self, index: int, arch: ModelArch, weights: Any) -> DecoderLayer:
+        """The shared attention with :class:`SparseMoE` (or the dense MLP on a dense layer)."""
+        p = f"model.layers.{index}."
+        if index in arch.options["sparse_layers"]:
+            e = p + "mlp.experts."
+            n = arch.options["num_experts"]
+            mlp: Any = SparseMoE(
+                router=weights.tensor(p + "mlp.gate.weight"),
+                gate_up=torch.stack(
+                    [torch.cat([weights.tensor(f"{e}{i}.gate_proj.weight"), weights.tensor(f"{e}{i}.up_proj.weight")])
+                     for i in range(n)]
+                ),
+                down=torch.stack([weights.tensor(f"{e}{i}.down_proj.weight") for i in range(n)]),
+                top_k=arch.options["top_k"],
+                renormalize=arch.options["renormalize"],
+                float_weights=self.float_weights,
+            )
+        else:
+            mlp = dense_mlp(arch, index, weights)
+        if index == 0 and weights.stored:
+            log.info("the %s family's experts stay in the model's dtype (the int8 forms serve attention and dense "
+                     "MLPs)", self.name)
+        return DecoderLayer(
+            attn=dense_attention(arch, index, weights),
+            mlp=mlp,
+            attn_in=weights.tensor(p + "input_layernorm.weight"),
+            mlp_in=weights.tensor(p + "post_attention_layernorm.weight"),
+            eps=arch.rms_norm_eps,
+        )
+
+
+class Qwen3MoeFamily(MoEFamily):
+    """Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention, softmax routing renormalized when
+    ``norm_topk_prob``, dense MLPs on ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips."""
+
+    name = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+    renormalize_default = False
+
+    def sparse_layers(self, cfg: dict[str, Any], layers: int) -> list[int]:
+        """transformers' rule: not in ``mlp_only_layers``, and ``(i + 1) % decoder_sparse_step == 0``."""
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+#: Mixtral's names -> the canonical ones
+MIXTRAL_NAMES = (
+    (".block_sparse_moe.gate.", ".mlp.gate."),
+    (".block_sparse_moe.experts.", ".mlp.experts."),
+)
+MIXTRAL_EXPERT = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight", ".w2.weight": ".down_proj.weight"}
+
+
+class MixtralFamily(MoEFamily):
+    """Mixtral (``MixtralForCausalLM``): Mistral's attention, every layer sparse, softmax routing always
+    renormalized, the weights multiplied in float32."""
+
+    name = "mixtral"
+    model_types = ("mixtral",)
+    float_weights = True
+
+    def tensor_pieces(self, name: str, arch: ModelArch) -> list[Piece]:
+        """``block_sparse_moe`` read as ``mlp``, each expert's ``w1`` / ``w3`` / ``w2`` as gate / up / down."""
+        for old, new in MIXTRAL_NAMES:
+            if old in name:
+                stem, rest = name.split(old, 1)
+                renamed = stem + new + rest
+                for suffix, canonical in MIXTRAL_EXPERT.items():
+                    if renamed.endswith(suffix):
+                        renamed = renamed[: -len(suffix)] + canonical
+                return [Piece(renamed)]
+        return [Piece(name)]
+
+
+QWEN3_MOE = Qwen3MoeFamily()
+MIXTRAL = MixtralFamily()
