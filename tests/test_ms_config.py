@@ -14,7 +14,14 @@ from mindie_host.ms.coordinator.config import (
     default_coordinator_dict,
     load_coordinator_config,
 )
-from mindie_host.ms.coordinator.instances import Instance, InstanceTable, RefreshError, instance_id, parse_refresh
+from mindie_host.ms.coordinator.instances import (
+    DEPARTED_KEEP,
+    Instance,
+    InstanceTable,
+    RefreshError,
+    instance_id,
+    parse_refresh,
+)
 from mindie_host.ms.coordinator.limits import Refused, Scheduler
 from mindie_host.ms.coordinator.metrics import aggregate, render_families
 from mindie_host.ms.coordinator.routing import RequestInfo, Router, conversation_keys
@@ -318,3 +325,26 @@ def test_instance_failure_and_readmission():
     inst.failed_at -= 5
     table.apply_refresh(*parse_refresh({"ids": [0], "instances": entries}))
     assert table.available() == [inst]
+
+
+def test_an_instance_left_out_of_one_refresh_keeps_its_offline_mark_and_its_requests():
+    """One missed status poll must not put a draining instance back in rotation, nor hide its running requests."""
+    table = table_of(2)
+    draining, busy = table.items[0], table.items[1]
+    draining.offline, busy.active = True, 3
+    only_none = {"ids": [], "instances": []}
+    table.apply_refresh(*parse_refresh(only_none))
+    assert table.items == {} and not table.available()
+    assert 0 in table and table.get(0) is draining and table.get(1) is busy  # offline/online/tasks still find them
+    entries = [refresh_entry(0, 2000), refresh_entry(1, 2002)]
+    table.apply_refresh(*parse_refresh({"ids": [0, 1], "instances": entries}))
+    assert table.items[0] is draining and draining.offline and table.available() == [busy] and busy.active == 3
+    busy.active = 0  # idle and online: forgotten when it leaves
+    table.apply_refresh(*parse_refresh(only_none))
+    table.apply_refresh(*parse_refresh(only_none))
+    assert 1 not in table and table.get(0) is draining
+    draining.departed_at -= DEPARTED_KEEP  # idle, offline and away that long: an address that comes back is new
+    table.apply_refresh(*parse_refresh(only_none))
+    assert 0 not in table
+    table.apply_refresh(*parse_refresh({"ids": [0], "instances": entries[:1]}))
+    assert table.available() == [table.items[0]] and table.items[0] is not draining

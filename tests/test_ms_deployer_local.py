@@ -29,6 +29,7 @@ from mindie_host.testing import free_port, server_config
 pytestmark = pytest.mark.slow
 SERVICE_PORT = 31000 + free_port() % 1700  # a NodePort-range port; free_port keeps it clear of the others
 LONG_TOKENS = 2000
+STALL_SECONDS = 7  # longer than the controller's status poll waits (http_timeout_seconds 5) plus a sync period
 
 
 @dataclass
@@ -114,12 +115,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
                 "service_type": "NodePort",
                 "server_type": "mindie_single_node",
                 "scheduler": "default",
-                "init_delay": 60,
+                "init_delay": 300,  # a loaded machine (or a first kernel build) starts servers slowly
                 "detect_server_inner_error": True,
                 "liveness_timeout": 30,
                 "liveness_failure_threshold": 3,
                 "readiness_timeout": 30,
-                "readiness_failure_threshold": 1,
+                "readiness_failure_threshold": 3,  # a one-token probe on a loaded machine can miss its 30 s
                 "resource_requests": {"memory": 2000, "cpu_core": 1000, "npu_type": "Ascend910", "npu_chip_num": 1},
                 "mindie_server_config": {
                     "mies_install_path": str(tmp / "mies"),
@@ -168,6 +169,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, "MINDIE_HOST_CPU_KERNELS": "0"},  # the servers' speed is not the point: no kernel build
     )
     dep = Deployment(tmp / "work", home, proc, files)
     try:
@@ -246,10 +248,28 @@ def test_create_get_and_serve(deployment: Deployment):
     code, answer = deployment.msctl("get", "infer_server", "-n", "tiny")
     info = answer["data"]["model_info"]
     assert info["models"][0]["model_id"] == "tiny" and info["models"][0]["max_total_tokens"] == 2048
-    resp = httpx.post(f"{deployment.url}/v1/chat/completions", json=chat(0, 8), timeout=60)
+    resp = httpx.post(f"{deployment.url}/v1/chat/completions", json=chat(0, 8), timeout=300)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
     status = json.loads((deployment.workdir.parent / "status.json").read_text())
     assert [s["server_name"] for s in status["server_list"]] == ["tiny"]
+
+
+def stall_first_drained(deployment: Deployment) -> bool:
+    """Freeze the first old instance being drained for longer than the controller's status poll waits, as a
+    loaded machine can: the controller drops it from its refresh and lists it again when it answers. The
+    coordinator must still keep it out of rotation and count the requests it is finishing (it once took the
+    instance back as a new one in rotation, with none). False while no instance is being drained yet."""
+    lines = (deployment.workdir.parent / "logs" / "run.txt").read_text().splitlines()
+    drained = [line.split("tiny: draining ")[1].strip() for line in lines if "tiny: draining tiny-" in line]
+    if not drained:
+        return False
+    pid = _pid_of(deployment, drained[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(STALL_SECONDS)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return True
 
 
 def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
@@ -283,7 +303,10 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
         code, answer = deployment.msctl("update", "infer_server", "-f", str(deployment.files["update"]))
         assert (code, answer) == (0, {"message": "update server success.", "status": "0"})
         deadline = time.monotonic() + 600
+        stalled = False
         while True:
+            if not stalled:
+                stalled = stall_first_drained(deployment)
             items = deployment.instances()
             names = {i["pod_name"] for i in items}
             if len(items) == 2 and not names & set(deployment.old_pods) and all(i["readiness"] for i in items):
@@ -330,7 +353,7 @@ def test_a_killed_instance_is_restarted(deployment: Deployment):
         60,
         f"{victim} to be seen down",
     )
-    resp = httpx.post(f"{deployment.url}/v1/chat/completions", json=chat(7, 8), timeout=60)
+    resp = httpx.post(f"{deployment.url}/v1/chat/completions", json=chat(7, 8), timeout=300)
     assert resp.status_code == 200  # the other instance serves meanwhile
     deployment.wait(
         lambda items: len(items) == 2 and all(i["readiness"] for i in items), 300, f"{victim} to be restarted"

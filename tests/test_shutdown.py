@@ -170,10 +170,16 @@ def test_second_signal_stops_at_once(serve: Any) -> None:
 
 def test_sigterm_to_the_whole_process_group_drains_and_exits(serve: Any) -> None:
     """`kill -TERM -- -PGID` (CI, a terminal's hang-up) reaches the engine process too: it keeps serving through
-    the drain, the front end stops it, and every process of the group exits."""
+    the drain, the front end stops it, and every process of the group exits. The front end is frozen when the
+    signal comes (SIGSTOP, as a paused container or a stalled machine): it acts on it once it runs again."""
     server = serve(drain_seconds=2, own_group=True)
     stream = Stream(server.url)
-    os.killpg(server.proc.pid, signal.SIGTERM)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
     time.sleep(0.5)
     assert stream.thread.is_alive()  # the engine process did not die with the signal: the stream goes on
     waited = wait_exit(server.proc, 30)

@@ -293,9 +293,15 @@ class EngineProcessClient(AsyncEngine):
             self._monitor.start()
 
     def run_here(self) -> None:
-        """``mindie-host serve`` hands its main thread to the engine; here the engine has its own process."""
+        """``mindie-host serve`` hands its main thread to the engine; here the engine has its own process.
+
+        The main thread waits in short steps: Python runs a signal's handler on the main thread only, and a wait
+        without end is cut short only by a signal the kernel hands to this thread. One that arrives while the
+        process is frozen (SIGSTOP, a paused container) goes to whichever thread runs first when it thaws, and
+        SIGTERM would then wait for nothing (the deployer's SIGKILL at the end of the grace period)."""
         self.start()
-        self._stopped.wait()
+        while not self._stopped.wait(timeout=1.0):
+            pass
 
     def stop(self) -> None:
         """Stop the engine process, end every request in flight, and release the sockets."""

@@ -7,6 +7,14 @@ a failed instance comes back on the first refresh that lists it at least
 :data:`READMIT_AFTER` seconds after the failure (the controller lists only servers whose
 latest ``/v1/status`` poll succeeded).
 
+An instance that a refresh leaves out while it is ``offline`` or still has requests in flight is
+kept aside (*departed*) with that state: ``/v1/instances/tasks`` still counts its requests, and a
+later refresh that lists it again (a status poll that failed once under load) brings back the same
+record, still offline, rather than a fresh one in rotation. Without that, one missed poll put a
+draining instance back in rotation and hid its running requests from whoever waits for them to
+end. A departed record is dropped once it is idle and online, or idle and away for
+:data:`DEPARTED_KEEP` seconds (an address that comes back later is a new server, in rotation).
+
 In pd_separate ``static_info.role`` says what an instance is (80 P, 68 D, 85 none) and the
 optional ``static_info.inter_comm_port`` (1024..65535, a mindie-host addition from the server's
 ``/v1/config``) where a P reaches it as a D (the ``d-target`` header).
@@ -22,6 +30,7 @@ from typing import Any
 from ..bodies import BodyError
 
 READMIT_AFTER = 2.0
+DEPARTED_KEEP = 60.0
 ROLE_PREFILL = 80
 ROLE_DECODE = 68
 ROLE_NONE = 85
@@ -53,6 +62,7 @@ class Instance:
     failure: str = ""
     active: int = 0
     allocated_blocks: int = 0
+    departed_at: float = 0.0
 
     @property
     def available(self) -> bool:
@@ -177,22 +187,32 @@ def parse_refresh(body: Any) -> tuple[list[int], dict[int, dict[str, Any]]]:
 
 
 class InstanceTable:
-    """The live instances, keyed by id."""
+    """The live instances, keyed by id, and the departed ones (see the module docstring)."""
 
     def __init__(self) -> None:
         self.items: dict[int, Instance] = {}
+        self.departed: dict[int, Instance] = {}
         self.refreshed = False
 
     def apply_refresh(self, ids: list[int], described: dict[int, dict[str, Any]]) -> list[int]:
         """Make ``ids`` the live set; returns ids that could not be added (never described)."""
         now = time.monotonic()
         missing = []
+        listed = set(ids)
+        for iid, inst in list(self.departed.items()):
+            if inst.active == 0 and (not inst.offline or now - inst.departed_at >= DEPARTED_KEEP):
+                del self.departed[iid]
         for iid in list(self.items):
-            if iid not in ids:
-                del self.items[iid]
+            if iid not in listed:
+                inst = self.items.pop(iid)
+                if inst.offline or inst.active:
+                    inst.departed_at = now
+                    self.departed[iid] = inst
         for iid in ids:
             info = described.get(iid)
             inst = self.items.get(iid)
+            if inst is None and iid in self.departed:  # back in the live set: the same record, state and all
+                inst = self.items[iid] = self.departed.pop(iid)
             if inst is None:
                 if info is None:
                     missing.append(iid)
@@ -212,7 +232,9 @@ class InstanceTable:
         return [i for i in self.items.values() if i.available]
 
     def __contains__(self, iid: int) -> bool:
-        return iid in self.items
+        """Known: live, or departed with its state (offline, requests in flight)."""
+        return iid in self.items or iid in self.departed
 
     def get(self, iid: int) -> Instance | None:
-        return self.items.get(iid)
+        """A live or departed instance."""
+        return self.items.get(iid) or self.departed.get(iid)

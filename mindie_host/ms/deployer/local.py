@@ -10,10 +10,12 @@ What each ``infer_server.json`` key does here:
 
 * probes, as a kubelet would, every :data:`~.target.PROBE_PERIOD` seconds: readiness on the management port
   (``/v2/health/ready``, or ``/health/timed-{readiness_timeout}`` with ``detect_server_inner_error``, which
-  runs a real one-token generation), ``readiness_failure_threshold`` failures in a row take the instance out
-  of the coordinator's rotation and a success puts it back; liveness (``/v2/health/live`` or the timed
-  probe) from ``init_delay`` seconds after a start, ``liveness_failure_threshold`` failures restart it. An
-  instance whose process exits is restarted (10 s back-off, doubling to 5 min), on the same ports;
+  runs a real one-token generation): an instance is in the coordinator's rotation only while it is ready
+  (``readiness_failure_threshold`` failures in a row take it out, a success puts it back), as a Service's
+  endpoints hold ready pods only; liveness (``/v2/health/live`` or the timed probe) from ``init_delay`` seconds
+  after a start, ``liveness_failure_threshold`` failures take it out of rotation and restart it. An instance
+  whose process exits is taken out of rotation and restarted (10 s back-off, doubling to 5 min), on the same
+  ports;
 * ``resource_requests.cpu_core`` sets each instance's threads (``OMP_NUM_THREADS`` = cores, at least 1);
   ``memory`` and the NPU keys are not enforced on this machine (reported at create);
 * ``mies_install_path`` is each instance's ``MIES_INSTALL_PATH`` (an existing directory here);
@@ -24,10 +26,11 @@ What each ``infer_server.json`` key does here:
 
 Rolling update: new instances start (at most ``replicas + surge`` at once); one counts as available once its
 readiness probe passes and the coordinator has it. An old instance is retired only while at least
-``replicas - unavailable`` instances stay available: it leaves the coordinator's rotation first (new requests
-go to the others), the requests it is serving finish (up to ``termination_grace_period_seconds``), it leaves
-the rank table, and only then gets SIGTERM. A request that still reaches an instance on its way out is
-answered 503 by the draining server and the coordinator sends it to another one, so no request fails.
+``replicas - unavailable`` instances stay available (:meth:`LocalServer.drain`): it leaves the rank table and
+the coordinator's rotation (new requests go to the others; the coordinator must acknowledge it), the requests
+it is serving finish (up to ``termination_grace_period_seconds``, counted by the coordinator), and only then
+does it get SIGTERM, so no request reaches a stopping server. (Should one still do, the draining server answers
+503 and the coordinator sends the request to another instance.)
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ from .target import (
 log = logging.getLogger("mindie_host.ms.deployer")
 BACKOFF_START, BACKOFF_MAX = 10.0, 300.0
 READY_POLL = 1.0  # seconds between readiness probes of an instance that is not ready yet
+RANK_TABLE_SECONDS = 1  # the controller's rank_table_detecting_seconds (it drops a server at once: waiting 0 s)
+SETTLE = 2 * RANK_TABLE_SECONDS + 3.0  # by then the controller has dropped a server the rank table no longer lists
 
 
 @dataclass
@@ -166,7 +171,7 @@ class LocalServer:
         ok = await self._probe(
             inst, self._probe_path(spec.readiness_timeout, "/v2/health/ready"), spec.readiness_timeout
         )
-        if inst.draining:
+        if inst.draining or not inst.live:  # being drained, or stopped for a restart: it stays out of rotation
             return
         was = inst.ready
         if ok:
@@ -177,17 +182,18 @@ class LocalServer:
             if inst.ready_failures >= spec.readiness_failure_threshold:
                 inst.ready = False
             inst.next_ready = time.monotonic() + (PROBE_PERIOD if was else READY_POLL)
-        if was and not inst.ready and not inst.offline:
-            log.warning(
-                "%s: %s is not ready (%d failed readiness probes): out of rotation",
-                spec.server_name,
-                inst.pod_name,
-                inst.ready_failures,
-            )
-            inst.offline = await self._rotation(inst, "offline")
+        if not inst.ready and not inst.offline:  # kept out of rotation until ready, as Endpoints hold unready pods
+            if was:
+                log.warning(
+                    "%s: %s is not ready (%d failed readiness probes): out of rotation",
+                    spec.server_name,
+                    inst.pod_name,
+                    inst.ready_failures,
+                )
+            await self._out_of_rotation(inst)
         elif inst.ready and inst.offline:
-            log.info("%s: %s is ready again: back in rotation", spec.server_name, inst.pod_name)
-            inst.offline = not await self._rotation(inst, "online")
+            log.info("%s: %s is ready: in rotation", spec.server_name, inst.pod_name)
+            inst.offline = await self._rotation(inst, "online") is not True
 
     async def probe_live(self, inst: LocalInstance) -> None:
         spec = self.spec
@@ -199,6 +205,7 @@ class LocalServer:
             log.warning(
                 "%s: %s failed %d liveness probes: restarting it", spec.server_name, inst.pod_name, inst.live_failures
             )
+            await self._out_of_rotation(inst)  # no new request goes to a server that is being stopped
             await asyncio.to_thread(self.cluster.stop_process, inst.process, spec.termination_grace_period_seconds)
             self.restart(inst)
 
@@ -210,15 +217,37 @@ class LocalServer:
         inst.next_ready = inst.next_live = 0.0
         self._log_process(inst, "restarted")
 
-    async def _rotation(self, inst: LocalInstance, state: str) -> bool:
-        """Put an instance ``offline`` or ``online`` at the coordinator; False when it does not know it (yet)."""
+    async def _rotation(self, inst: LocalInstance, state: str) -> bool | None:
+        """Put an instance ``offline`` or ``online`` at the coordinator: True when done, None when the coordinator
+        does not know the instance (not handed to it yet, or gone), False when it did not answer."""
         try:
             resp = await self.ms_client.post(
                 f"{self.cluster.manage_url}/v1/instances/{state}", json={"ids": [self._id(inst)]}
             )
         except httpx.HTTPError:
             return False
+        if resp.status_code == 400:  # the body is always well formed: the id is unknown
+            return None
         return resp.status_code == 200
+
+    async def _out_of_rotation(self, inst: LocalInstance) -> None:
+        if await self._rotation(inst, "offline") is True:
+            inst.offline = True
+
+    async def _tasks(self, inst: LocalInstance) -> int | None:
+        """Requests the coordinator has in flight on ``inst`` (0 when it does not know it); None: no answer."""
+        try:
+            resp = await self.ms_client.get(
+                f"{self.cluster.manage_url}/v1/instances/tasks", params={"id": self._id(inst)}
+            )
+        except httpx.HTTPError:
+            return None
+        if resp.status_code == 400:
+            return 0
+        try:
+            return int(resp.json()["tasks"][0]) if resp.status_code == 200 else None
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
 
     async def routed(self) -> set[int]:
         """Ids the coordinator has in its table."""
@@ -239,6 +268,7 @@ class LocalServer:
                     log.warning(
                         "%s: %s exited with %s; restarting it", self.spec.server_name, inst.pod_name, proc.returncode
                     )
+                    probes.append(self._out_of_rotation(inst))
                 backoff = 0.0 if inst.restarts == 0 else min(BACKOFF_MAX, BACKOFF_START * 2 ** (inst.restarts - 1))
                 if now - inst.exited_at >= backoff:
                     self.restart(inst)
@@ -301,24 +331,32 @@ class LocalServer:
         task.add_done_callback(self.drains.discard)
 
     async def drain(self, inst: LocalInstance) -> None:
-        """Out of rotation, let its requests finish, out of the rank table, then SIGTERM (SIGKILL at the deadline)."""
+        """Out of the rank table and of rotation, let its requests finish, then SIGTERM (SIGKILL at the deadline).
+
+        The coordinator must have taken the instance out of rotation before it is stopped: either it acknowledged
+        ``offline`` (it keeps that, and counts the instance's requests, even once the controller stops listing it),
+        or it has not known the instance for :data:`SETTLE` seconds after the rank table dropped it (by then the
+        controller has re-read the table and cannot hand it over any more). Only then do its requests in flight,
+        counted by the coordinator, decide; a coordinator that does not answer is asked again, never taken for idle.
+        """
         spec = self.spec
         inst.draining, inst.ready = True, False
         deadline = time.monotonic() + spec.termination_grace_period_seconds
-        iid = self._id(inst)
-        await self._rotation(inst, "offline")
-        log.info("%s: draining %s", spec.server_name, inst.pod_name)
-        while time.monotonic() < deadline:
-            try:
-                resp = await self.ms_client.get(f"{self.cluster.manage_url}/v1/instances/tasks", params={"id": iid})
-                busy = resp.status_code == 200 and resp.json()["tasks"][0] > 0
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                busy = False
-            if not busy:
-                break
-            await asyncio.sleep(0.2)
         inst.removed = True
         self.cluster.write_rank_table(i.k for i in self.instances.values() if not i.removed)
+        log.info("%s: draining %s", spec.server_name, inst.pod_name)
+        acked, unknown_since = False, None
+        while time.monotonic() < deadline:
+            if not acked:  # asked even when it was put offline before: the coordinator's word is what counts
+                state = await self._rotation(inst, "offline")
+                acked = inst.offline = state is True
+                unknown_since = (unknown_since or time.monotonic()) if state is None else None
+            settled = unknown_since is not None and time.monotonic() - unknown_since >= SETTLE
+            if (acked or settled) and await self._tasks(inst) == 0:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            log.warning("%s: %s still had requests at the end of its grace period", spec.server_name, inst.pod_name)
         grace = max(1.0, deadline - time.monotonic())
         await asyncio.to_thread(self.cluster.stop_process, inst.process, grace)
         self.instances.pop(inst.k, None)
@@ -430,7 +468,7 @@ class LocalTarget:
             "exception_config": {"max_retry": 5},
         }
         controller: dict[str, Any] = {
-            "rank_table_detecting_seconds": 1,
+            "rank_table_detecting_seconds": RANK_TABLE_SECONDS,
             "disappeared_server_waiting_seconds": 0,
             "server_online_attempt_times": 65535,
             "http_timeout_seconds": 5,
