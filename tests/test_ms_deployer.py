@@ -296,7 +296,30 @@ def test_every_generated_manifest_validates_against_the_kubernetes_schema():
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-def test_npu_requests_probes_and_strategy():
+def served_probe_routes(dep: dict[str, Any], cmap: dict[str, Any], tmp: Path) -> list[tuple[str, str]]:
+    """(probe, path) of the Deployment's exec probes, resolved as ``mindie-host probe`` resolves them in the pod (its
+    parser, its config lookup on the container's env with the ConfigMap's config.json), each checked to be a route
+    that a real server app built from that config serves on the container's ``management`` port."""
+    from test_ms_k8s import _serves, probe_routes
+
+    from mindie_host.config import config_from_dict
+    from mindie_host.host import Host
+    from mindie_host.server.runner import build_app, plan_listeners
+
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    pod_cfg = json.loads(cmap["data"]["config.json"])
+    host = Host(config_from_dict(pod_cfg))
+    host.plugins.enable_from_config(host.config)
+    apps = {listener.port: build_app(host, listener.planes) for listener in plan_listeners(host)}
+    management = next(p["containerPort"] for p in container["ports"] if p["name"] == "management")
+    out = []
+    for kind, port, path in probe_routes(container, {"config.json": pod_cfg}, tmp):
+        assert port == management and _serves(apps[port], path), (kind, port, path)
+        out.append((kind, path))
+    return out
+
+
+def test_npu_requests_probes_and_strategy(tmp_path: Path):
     spec = parse_infer_server(
         body(
             detect_server_inner_error=True,
@@ -318,7 +341,11 @@ def test_npu_requests_probes_and_strategy():
         "type": "RollingUpdate",
         "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": "50%"},
     }
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health/timed-10"
+    # exec probes with the probe tool, as deploy/k8s has them: detect_server_inner_error runs a generation
+    assert served_probe_routes(dep, cmap, tmp_path) == [
+        ("livenessProbe", "/health/timed-10"),
+        ("readinessProbe", "/health/timed-10"),
+    ]
     assert container["livenessProbe"]["initialDelaySeconds"] == 180
     assert {e["name"]: e.get("value") for e in container["env"]}["OMP_NUM_THREADS"] == "8"
     served = json.loads(cmap["data"]["config.json"])["ServerConfig"]
@@ -449,6 +476,10 @@ def test_kubernetes_target_follows_the_api_contract(kube):
         for call in fake.calls:
             kubernetes_validate.validate(call.body, K8S_VERSION, strict=True)
         assert fake.calls[1].body["spec"]["template"]["spec"]["containers"][0]["image"] == "mindie-host:test"
+        assert served_probe_routes(fake.calls[1].body, fake.calls[0].body, tmp) == [
+            ("livenessProbe", "/v2/health/live"),
+            ("readinessProbe", "/v2/health/ready"),
+        ]
         status = json.loads((tmp / "status.json").read_text())
         assert status["server_list"][0] == {
             "namespace": "mindie",
@@ -597,8 +628,10 @@ def test_ms_server_json_rules(tmp_path: Path):
     path = tmp_path / "ms_server.json"
     path.write_text(json.dumps(ms_server_json(tmp_path)))
     path.chmod(0o644)
-    with pytest.raises(Exception, match="no more open than 0640"):
+    with pytest.raises(Exception, match=r"got 'mode 0644'; allowed a config file with mode at most 0640"):
         load_deployer_config(str(path))
+    # the one file-mode rule (mindie_host.file_modes), with its switch
+    assert load_deployer_config(str(path), environ={"MINDIE_CHECK_INPUTFILES_PERMISSION": "0"}).ip == "127.0.0.1"
     path.chmod(0o600)
     local = load_deployer_config(str(path), environ={"MINDIE_MS_SERVER_IP": "127.0.0.2"})
     assert local.ip == "127.0.0.2" and local.k8s_tls is None
@@ -675,8 +708,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def msctl(home: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HOME": str(home)}
+def msctl(home: Path, *args: str, cwd: Path, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": str(home), **environ}
     return subprocess.run(
         [sys.executable, "-m", "mindie_host.cli", "msctl", *args],
         capture_output=True,
@@ -729,7 +762,8 @@ def test_msctl_over_tls_with_the_specs_client_identity(tmp_path: Path, pki: Path
     fake = FakeKubeAPI()
     with RunningDeployer(config, kube_target(fake)):
         out = msctl(home, "create", "infer_server", "-f", str(request), cwd=pki)
-        assert out.returncode == 1 and "no more open than 0640" in out.stderr and fake.calls == []
+        assert out.returncode == 1 and "got 'mode 0644'; allowed a config file with mode at most 0640" in out.stderr
+        assert fake.calls == []
         request.chmod(0o640)
         out = msctl(home, "create", "infer_server", "-f", str(request), cwd=pki)
         assert (out.returncode, json.loads(out.stdout)) == (0, {"message": "creating the server!", "status": "0"})
@@ -752,7 +786,9 @@ def test_msctl_over_tls_with_the_specs_client_identity(tmp_path: Path, pki: Path
             httpx.get(url, verify=anonymous)
         msctl_json.chmod(0o644)
         out = msctl(home, "get", "infer_server", "-n", "mindie-server", cwd=pki)
-        assert out.returncode == 1 and "no more open than 0640" in out.stderr
+        assert out.returncode == 1 and f"{msctl_json}: got 'mode 0644'" in out.stderr
+        out = msctl(home, "get", "infer_server", "-n", "other", cwd=pki, MINDIE_CHECK_INPUTFILES_PERMISSION="0")
+        assert out.returncode == 1 and json.loads(out.stdout)["message"] == "server 'other' not found"
 
 
 def test_deployer_command_refuses_a_bad_config_with_one_line(tmp_path: Path):
@@ -901,9 +937,12 @@ def test_local_target_with_tls_wires_every_link(tmp_path: Path, pki: Path):
     assert all(s["scheme"] == "https" for s in cluster.servers)
 
 
-def test_kubernetes_client_takes_the_api_servers_tls_items(tmp_path: Path, pki: Path):
+def test_kubernetes_client_takes_the_api_servers_tls_items(tmp_path: Path, pki: Path, caplog: pytest.LogCaptureFixture):
+    """Every link of ms_server.json reads tls_passwd as the coordinator and the controller do: a token encrypted under
+    the kmcKsfMaster/kmcKsfStandby keystore, or plain text with a warning."""
     from kubernetes.client import ApiClient
 
+    from mindie_host.keystore import Keystore
     from mindie_host.ms.deployer.kube import api_client
 
     key = serialization.load_pem_private_key((pki / "msclientuser.key.pem").read_bytes(), None)
@@ -914,16 +953,29 @@ def test_kubernetes_client_takes_the_api_servers_tls_items(tmp_path: Path, pki: 
             serialization.BestAvailableEncryption(b"s3cret"),
         )
     )
-    (tmp_path / "pwd.txt").write_text("s3cret\n")
+    (tmp_path / "kube.key.pem").chmod(0o600)
+    store = Keystore.create(tmp_path / "ksfa", tmp_path / "ksfb")
+    (tmp_path / "pwd.txt").write_text(store.encrypt("s3cret") + "\n")
+    (tmp_path / "pwd.txt").chmod(0o600)
     items = {
         "ca_cert": str(pki / "ca.pem"),
         "tls_cert": str(pki / "msclientuser.pem"),
         "tls_key": str(tmp_path / "kube.key.pem"),
         "tls_passwd": str(tmp_path / "pwd.txt"),
+        "kmcKsfMaster": str(tmp_path / "ksfa"),
+        "kmcKsfStandby": str(tmp_path / "ksfb"),
         "tls_crl": "",
     }
     config = deployer_config_from_dict(
-        ms_server_json(tmp_path, client_k8s_tls_enable=True, client_k8s_tls_items=items),
+        ms_server_json(
+            tmp_path,
+            client_k8s_tls_enable=True,
+            client_k8s_tls_items=items,
+            client_mindie_server_tls_enable=True,
+            client_mindie_tls_items=items,
+            server_tls_enable=True,
+            server_tls_items=items,
+        ),
         target="kubernetes",
         environ={},
     )
@@ -939,3 +991,10 @@ def test_kubernetes_client_takes_the_api_servers_tls_items(tmp_path: Path, pki: 
     assert conf.key_file != items["tls_key"] and os.stat(conf.key_file).st_mode & 0o077 == 0
     assert serialization.load_pem_private_key(Path(conf.key_file).read_bytes(), None).public_key() == key.public_key()
     api.close()
+    # the calls to the servers and the deployer's own HTTPS listener load the same key with the decrypted password
+    assert isinstance(config.mindie_tls.client_context(), ssl.SSLContext)
+    assert isinstance(config.server_tls.server_context(), ssl.SSLContext)
+    assert not [r for r in caplog.records if "plain text" in r.getMessage()]
+    (tmp_path / "pwd.txt").write_text("s3cret\n")  # plain text: still read, with the warning
+    assert config.k8s_tls is not None and config.k8s_tls.password() == "s3cret"
+    assert any(f"{tmp_path / 'pwd.txt'} holds a secret in plain text" in r.getMessage() for r in caplog.records)

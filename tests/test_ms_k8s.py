@@ -105,7 +105,7 @@ def probe_routes(container: dict[str, Any], maps: dict[str, Any], tmp: Path) -> 
     real argument parser, and its real config lookup on the container's env with the ConfigMap files."""
     from mindie_host.cli import parser
     from mindie_host.file_modes import write_file
-    from mindie_host.tools.probe import PATHS, target_of
+    from mindie_host.tools.probe import probe_path, target_of
 
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     for name, value in list(env.items()):
@@ -121,7 +121,8 @@ def probe_routes(container: dict[str, Any], maps: dict[str, Any], tmp: Path) -> 
         args = parser().parse_args(command[1:])
         assert args.timeout < probe["timeoutSeconds"]  # the probe reports before the kubelet gives up on it
         target = target_of(args.component, env)
-        out.append((kind, target.port, PATHS[args.component][args.kind]))
+        path = probe_path(args.component, args.kind, timeout=args.timeout, inner_error=args.detect_inner_error)
+        out.append((kind, target.port, path))
     return out
 
 

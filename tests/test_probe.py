@@ -34,8 +34,9 @@ from mindie_host.tools.probe import run
 COORDINATOR_IP, CONTROLLER_IP, SERVER_IP = "127.0.0.3", "127.0.0.4", "127.0.0.1"
 
 
-def probe(kind: str, env: dict[str, str], component: str | None = None) -> int:
-    return run(argparse.Namespace(kind=kind, component=component, timeout=10.0, retries=0), env)
+def probe(kind: str, env: dict[str, str], component: str | None = None, *, inner_error: bool = False) -> int:
+    args = argparse.Namespace(kind=kind, component=component, timeout=10.0, retries=0, detect_inner_error=inner_error)
+    return run(args, env)
 
 
 class Background:
@@ -125,10 +126,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_server: RunningSer
         mp.undo()
 
 
-def test_server_only_deployment(deployment: dict[str, Any]) -> None:
+def test_server_only_deployment(deployment: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
     env = {**deployment["env"], "MINDIE_SERVER_PROBE_ONLY": "1"}
     del env["GLOBAL_RANK_TABLE_FILE_PATH"]
     assert [probe(k, env) for k in ("startup", "liveness", "readiness")] == [0, 0, 0]
+    # detect_server_inner_error (the deployer's pods): each probe is a one-token generation, bounded by --timeout
+    assert [probe(k, env, inner_error=True) for k in ("startup", "liveness", "readiness")] == [0, 0, 0]
+    management = deployment["server"].config.server.managementPort
+    assert capsys.readouterr().out.count(f"GET http://127.0.0.1:{management}/health/timed-10 -> 200") == 3
     done = subprocess.run(
         [sys.executable, "-m", "mindie_host.cli", "probe", "readiness"],
         env=env,
@@ -151,6 +156,8 @@ def test_ms_deployment_finds_each_pod_in_the_rank_table(
     while probe("readiness", coordinator) != 0:  # ready once the controller has pushed it the server
         assert time.monotonic() < deadline, capsys.readouterr().err
         time.sleep(0.5)
+    assert probe("liveness", {**env, "POD_IP": CONTROLLER_IP}, inner_error=True) == 1
+    assert "--detect-inner-error runs a generation on a server; the controller has none" in capsys.readouterr().err
     assert probe("readiness", {**env, "POD_IP": "10.9.9.9"}) == 1
     assert "POD_IP 10.9.9.9 is in no group of the rank table" in capsys.readouterr().err
     assert probe("readiness", {k: v for k, v in env.items() if k != "GLOBAL_RANK_TABLE_FILE_PATH"}) == 1

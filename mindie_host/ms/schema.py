@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import ConfigError, check_file_mode, read_json
@@ -20,9 +21,10 @@ from ..config import ConfigError, check_file_mode, read_json
 __all__ = ["ConfigError", "Section", "read_json_file"]
 
 
-def read_json_file(path: str) -> Any:
-    """A JSON file, with the same file-level errors as ``config.json`` (size, UTF-8, syntax, mode at most 0640)."""
-    check_file_mode(path, os.environ)
+def read_json_file(path: str, environ: Mapping[str, str] | None = None) -> Any:
+    """A JSON file, with the same file-level errors as ``config.json`` (size, UTF-8, syntax, mode at most 0640 unless
+    ``MINDIE_CHECK_INPUTFILES_PERMISSION=0`` in ``environ``, default the process's)."""
+    check_file_mode(path, os.environ if environ is None else environ)
     return read_json(path)
 
 

@@ -21,6 +21,10 @@ liveness       ``/v2/health/live``     ``/v1/health``   ``/v1/health``
 readiness      ``/v2/health/ready``    ``/v1/health``   ``/v1/readiness``
 =============  ======================  ==============  ===================
 
+``--detect-inner-error`` (the MS Deployer's ``detect_server_inner_error``) makes each of a server's probes run a
+one-token generation through the whole pipeline instead (``/health/timed-TIMEOUT``, ``TIMEOUT`` the whole seconds
+of ``--timeout``): it passes only when a token comes back in time. It applies to servers only.
+
 A server's startup waits for the model (the spec's startup probe allows 500 s for it), its liveness asks
 only whether the process is healthy: a server whose engine is restarting stays alive (it answers 503 on
 readiness until the model is back) instead of being killed mid-recovery. A PD server (``inferMode: dmi``)
@@ -58,6 +62,7 @@ PATHS: dict[str, dict[str, str]] = {
     "controller": {"startup": "/v1/startup", "liveness": "/v1/health", "readiness": "/v1/health"},
     "coordinator": {"startup": "/v1/startup", "liveness": "/v1/health", "readiness": "/v1/readiness"},
 }
+TIMED_PATH = "/health/timed-{}"  # the server's probe that runs a one-token generation (spec §3.5)
 ENV_PROBE_ONLY = "MINDIE_SERVER_PROBE_ONLY"
 ENV_RANK_TABLE = "GLOBAL_RANK_TABLE_FILE_PATH"
 ENV_CLIENT_CONFIG = "MINDIE_UTILS_HTTP_CLIENT_CTL_CONFIG_FILE_PATH"
@@ -243,8 +248,23 @@ def client_config(env: Mapping[str, str]) -> ClientConfig:
     return ClientConfig(enabled if override is None else override, link, log_info)
 
 
+def probe_path(component: str, kind: str, *, timeout: float = DEFAULT_TIMEOUT, inner_error: bool = False) -> str:
+    """The route a probe asks (see the module docstring); ``inner_error``: the generation probe (servers only)."""
+    if not inner_error:
+        return PATHS[component][kind]
+    if component != "server":
+        raise ProbeError(f"--detect-inner-error runs a generation on a server; the {component} has none")
+    return TIMED_PATH.format(max(1, int(timeout)))
+
+
 def probe(
-    kind: str, target: Target, client: ClientConfig, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 0
+    kind: str,
+    target: Target,
+    client: ClientConfig,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    retries: int = 0,
+    inner_error: bool = False,
 ) -> tuple[bool, str]:
     """Ask ``target`` the question ``kind`` asks; ``(passed, what happened)``."""
     import httpx
@@ -263,7 +283,8 @@ def probe(
             verify = client.link.client_context()
         except (TLSConfigError, OSError) as exc:
             raise ProbeError(f"http_client_ctl.json cert: {exc}") from None
-    url = target.url("https" if https else "http", PATHS[target.component][kind])
+    url = target.url("https" if https else "http", probe_path(target.component, kind, timeout=timeout,
+                                                               inner_error=inner_error))
     what = ""
     for attempt in range(retries + 1):
         try:
@@ -308,6 +329,11 @@ def add_probe_parser(sub: Any) -> None:
         help="seconds per request, [1, 600] (default 60)",
     )
     p.add_argument("--retries", type=_bounded(int, 0, 30), default=0, help="further tries, [0, 30] (default 0)")
+    p.add_argument(
+        "--detect-inner-error",
+        action="store_true",
+        help="a server's probe runs a one-token generation (/health/timed-TIMEOUT), as detect_server_inner_error asks",
+    )
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
@@ -320,7 +346,9 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         setup_ms_logging(client.log_info, "probe", env)
         logging.getLogger("mindie_host.ms").addHandler(logging.NullHandler())  # no handler: nothing on stderr
         target = target_of(component_of(env, args.component), env)
-        passed, what = probe(args.kind, target, client, timeout=args.timeout, retries=args.retries)
+        passed, what = probe(
+            args.kind, target, client, timeout=args.timeout, retries=args.retries, inner_error=args.detect_inner_error
+        )
     except ProbeError as exc:
         print(f"mindie-host probe {args.kind}: {exc}", file=sys.stderr)
         return 1

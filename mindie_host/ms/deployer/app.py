@@ -29,13 +29,13 @@ import asyncio
 import json
 import logging
 import logging.handlers
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from ...file_modes import write_file
 from ..logs import LogInfo, setup_ms_logging
 from ..process import stop_on_signals
 from .config import DeployerConfig
@@ -90,11 +90,7 @@ class Deployer:
             for s in self.servers.values()
         ]
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"server_list": entries}, fh, indent=2)
-        os.replace(partial, path)
+        write_file(path, json.dumps({"server_list": entries}, indent=2))
 
     async def restore(self) -> None:
         """Take back the servers the status file lists (an unreadable entry is logged and dropped)."""

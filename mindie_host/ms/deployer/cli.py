@@ -16,7 +16,7 @@ COMMANDS = ("deployer", "msctl")
 def add_deployer_parsers(sub: Any) -> None:
     """Register ``deployer`` and ``msctl``."""
     d = sub.add_parser("deployer", help="run the MS Deployer (ms_server, spec §8.3.2): deploy servers over REST")
-    d.add_argument("config", help="ms_server.json (mode at most 0640)")
+    d.add_argument("config", help="ms_server.json (mode at most 0640 unless MINDIE_CHECK_INPUTFILES_PERMISSION=0)")
     d.add_argument(
         "--target",
         choices=["local", "kubernetes"],

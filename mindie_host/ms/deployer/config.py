@@ -1,7 +1,8 @@
 """``ms_server.json`` (the deployer's config, spec §8.3.2.2 Table 8-18) and ``msctl.json`` (Table 3-5).
 
-Both files, and the ``-f`` files ``msctl`` sends, must not be more open than 0640 (no execute bit, no group
-write, nothing for others); a looser file stops the command with the file and its mode.
+Both files, and the ``-f`` files ``msctl`` sends, are config files under the one file-mode rule of
+:mod:`mindie_host.file_modes`: at most 0640 and owned by the user or root, unless
+``MINDIE_CHECK_INPUTFILES_PERMISSION=0``; a failing file stops the command with the file, its mode and the fix.
 
 ``ms_server.json``: ``ip`` (``MINDIE_MS_SERVER_IP`` overrides it), ``port`` (default 9789), ``log_info``
 (``log_level``, ``run_log_path``, ``operation_log_path``; ``MINDIE_LOG_LEVEL`` / ``MINDIEMS_LOG_LEVEL`` override
@@ -15,7 +16,6 @@ extension ``server_tls_enable`` (default true) may be false, for a deployer on a
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,18 +27,7 @@ from ..tls import TLSLink, read_link, tls_base
 ENV_SERVER_IP = "MINDIE_MS_SERVER_IP"
 DEFAULT_PORT = 9789
 DEFAULT_K8S_PORT = 6443
-MAX_MODE = 0o640
 K8S_KEYS = ("k8s_apiserver_ip", "k8s_apiserver_port", "client_k8s_tls_enable", "client_k8s_tls_items")
-
-
-def check_file_mode(path: str | os.PathLike[str], what: str) -> None:
-    """Refuse a file that is more open than 0640 (spec: "permission must not exceed 640")."""
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError as exc:
-        raise ConfigError(what, str(path), f"a readable file ({exc.strerror})") from None
-    if mode & ~MAX_MODE:
-        raise ConfigError(what, f"{path} (mode {mode:04o})", "a file no more open than 0640 (chmod 640 or 600)")
 
 
 @dataclass(frozen=True)
@@ -117,9 +106,9 @@ def deployer_config_from_dict(
 
 
 def load_deployer_config(path: str, *, target: str = "local", environ: dict[str, str] | None = None) -> DeployerConfig:
-    """Read ``ms_server.json`` (mode at most 0640) and check it."""
-    check_file_mode(path, "ms_server.json")
-    return deployer_config_from_dict(read_json_file(path), target=target, source_path=path, environ=environ)
+    """Read ``ms_server.json`` (a config file's mode rule) and check it."""
+    data = read_json_file(path, environ)
+    return deployer_config_from_dict(data, target=target, source_path=path, environ=environ)
 
 
 @dataclass(frozen=True)
@@ -140,8 +129,7 @@ def msctl_config_path(environ: dict[str, str] | None = None) -> Path:
 
 
 def load_msctl_config(path: Path) -> MsctlConfig:
-    """Read ``msctl.json`` (mode at most 0640). ``http.tls_enable`` (default true) is a mindie-host extension."""
-    check_file_mode(path, str(path))
+    """Read ``msctl.json`` (a config file's mode rule). ``http.tls_enable`` (default true) is a mindie-host extension."""
     warnings: list[str] = []
     root = Section(read_json_file(str(path)), "", warnings)
     http = root.section("http")

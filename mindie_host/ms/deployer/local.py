@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from ...tools.probe import probe_path
 from ..cluster import Cluster
 from ..tls import TLSLink
 from .spec import InferServer, SpecError
@@ -154,10 +155,9 @@ class LocalServer:
         return self.cluster.server_id(inst.k)
 
     # -- probes -----------------------------------------------------------------------------------
-    def _probe_path(self, timeout: int, plain: str) -> str:
-        return f"/health/timed-{timeout}" if self.spec.detect_server_inner_error else plain
-
-    async def _probe(self, inst: LocalInstance, path: str, timeout: float) -> bool:
+    async def _probe(self, inst: LocalInstance, kind: str, timeout: int) -> bool:
+        """One probe as the probe tool asks it (``/health/timed-{timeout}`` with ``detect_server_inner_error``)."""
+        path = probe_path("server", kind, timeout=timeout, inner_error=self.spec.detect_server_inner_error)
         srv = self.cluster.servers[inst.k]
         url = f"{self.scheme}://{srv['ip']}:{srv['management_port']}{path}"
         try:
@@ -168,9 +168,7 @@ class LocalServer:
 
     async def probe_ready(self, inst: LocalInstance) -> None:
         spec = self.spec
-        ok = await self._probe(
-            inst, self._probe_path(spec.readiness_timeout, "/v2/health/ready"), spec.readiness_timeout
-        )
+        ok = await self._probe(inst, "readiness", spec.readiness_timeout)
         if inst.draining or not inst.live:  # being drained, or stopped for a restart: it stays out of rotation
             return
         was = inst.ready
@@ -197,7 +195,7 @@ class LocalServer:
 
     async def probe_live(self, inst: LocalInstance) -> None:
         spec = self.spec
-        ok = await self._probe(inst, self._probe_path(spec.liveness_timeout, "/v2/health/live"), spec.liveness_timeout)
+        ok = await self._probe(inst, "liveness", spec.liveness_timeout)
         inst.next_live = time.monotonic() + PROBE_PERIOD
         inst.live_failures = 0 if ok else inst.live_failures + 1
         inst.live = inst.live_failures < spec.liveness_failure_threshold

@@ -6,10 +6,15 @@
   keep the file they started with while a rolling update runs.
 * Deployment ``{server_name}``: ``replicas`` pods of ``--image`` running ``mindie-host serve``, each binding its
   pod IP (``MIES_CONTAINER_IP``/``MIES_CONTAINER_MANAGEMENT_IP``), with the config mounted at
-  ``{mies_install_path}/conf/config.json``; strategy ``RollingUpdate`` with ``maxSurge``/``maxUnavailable`` as
-  given (Kubernetes rounds them as the spec says); probes on the management port every 5 s (liveness from
-  ``init_delay``; ``/health/timed-{timeout}`` when ``detect_server_inner_error``, which runs a real
-  generation); ``terminationGracePeriodSeconds``, with a 5 s preStop pause so the Service stops sending new
+  ``{mies_install_path}/conf/config.json`` (``MIES_CONFIG_JSON_PATH``, read by the server and its probes);
+  strategy ``RollingUpdate`` with ``maxSurge``/``maxUnavailable`` as given (Kubernetes rounds them as the spec
+  says); ``exec`` probes every 5 s with the probe tool (``mindie-host probe liveness|readiness --component
+  server``, as deploy/k8s uses it: it reads the server's management address and TLS setting from the config, and
+  with ``enable_tls`` the client certificate from ``$MIES_INSTALL_PATH/conf/http_client_ctl.json`` in the image),
+  liveness from ``init_delay``, ``--detect-inner-error`` when ``detect_server_inner_error`` (each probe runs a
+  real one-token generation), each probe's ``--timeout`` the request's ``liveness_timeout`` /
+  ``readiness_timeout`` and its ``timeoutSeconds`` :data:`EXEC_SLACK` more for the command's own start;
+  ``terminationGracePeriodSeconds``, with a 5 s preStop pause so the Service stops sending new
   connections before the server starts refusing; CPU and memory requests from ``resource_requests``, and
   ``huawei.com/{npu_type}`` requests and limits plus an ``accelerator: huawei-{npu_type}`` node selector when
   the servers run on NPUs; ``schedulerName: volcano`` and the ``fault-scheduling`` label
@@ -24,11 +29,12 @@ import json
 from typing import Any
 
 from .spec import InferServer
-from .target import config_digest, uses_npu
+from .target import PROBE_PERIOD, config_digest, uses_npu
 
 MANAGED_BY = "mindie-host-deployer"
 ANNOTATION_PREFIX = "deployer.mindie-host.io/"
 PRESTOP_SECONDS = 5
+EXEC_SLACK = 5  # seconds an exec probe's command gets beyond its own --timeout (Python's start, the config read)
 CONTAINER = "mindie-server"
 
 
@@ -62,12 +68,15 @@ def config_map(spec: InferServer, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _probe(spec: InferServer, timeout: int, threshold: int, plain: str, delay: int = 0) -> dict[str, Any]:
-    path = f"/health/timed-{timeout}" if spec.detect_server_inner_error else plain
+def _probe(spec: InferServer, kind: str, timeout: int, threshold: int, delay: int = 0) -> dict[str, Any]:
+    """An ``exec`` probe running the probe tool (:mod:`mindie_host.tools.probe`) on the server of the pod."""
+    command = ["mindie-host", "probe", kind, "--component", "server", "--timeout", str(timeout)]
+    if spec.detect_server_inner_error:
+        command.append("--detect-inner-error")
     probe: dict[str, Any] = {
-        "httpGet": {"path": path, "port": "management", "scheme": "HTTPS" if spec.server.enable_tls else "HTTP"},
-        "periodSeconds": 5,
-        "timeoutSeconds": timeout,
+        "exec": {"command": command},
+        "periodSeconds": PROBE_PERIOD,
+        "timeoutSeconds": timeout + EXEC_SLACK,
         "failureThreshold": threshold,
     }
     if delay:
@@ -101,8 +110,9 @@ def deployment(spec: InferServer, config: dict[str, Any], image: str, *, restart
         "name": CONTAINER,
         "image": image,
         "imagePullPolicy": "Always",
-        "command": ["mindie-host", "serve", "--config", f"{install}/conf/config.json"],
+        "command": ["mindie-host", "serve"],
         "env": [
+            {"name": "MIES_CONFIG_JSON_PATH", "value": f"{install}/conf/config.json"},
             {"name": "MIES_CONTAINER_IP", **pod_ip},
             {"name": "MIES_CONTAINER_MANAGEMENT_IP", **pod_ip},
             {"name": "MIES_INSTALL_PATH", "value": install},
@@ -113,9 +123,9 @@ def deployment(spec: InferServer, config: dict[str, Any], image: str, *, restart
             {"name": "management", "containerPort": spec.server.management_port, "protocol": "TCP"},
         ],
         "livenessProbe": _probe(
-            spec, spec.liveness_timeout, spec.liveness_failure_threshold, "/v2/health/live", spec.init_delay
+            spec, "liveness", spec.liveness_timeout, spec.liveness_failure_threshold, spec.init_delay
         ),
-        "readinessProbe": _probe(spec, spec.readiness_timeout, spec.readiness_failure_threshold, "/v2/health/ready"),
+        "readinessProbe": _probe(spec, "readiness", spec.readiness_timeout, spec.readiness_failure_threshold),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "resources": _resources(spec, config),
         "volumeMounts": [

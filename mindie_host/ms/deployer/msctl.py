@@ -7,10 +7,10 @@
 ``msctl update infer_server -f update_server.json``   ``POST /v1/servers/NAME`` (NAME from the file)
 =============================================  =============================================
 
-Its config is ``~/.mindie_ms/msctl.json`` (mode at most 0640, as is every ``-f`` file): the deployer's
-``dstIP``/``dstPort``, the CA to trust, the client certificate and key (an encrypted key's password is asked
-for on the terminal), a CRL, ``timeout`` (1-60 s) and ``log_level``. It prints the deployer's answer as JSON
-and exits 0 when its ``status`` is ``"0"``, 1 otherwise.
+Its config is ``~/.mindie_ms/msctl.json`` (mode at most 0640 unless ``MINDIE_CHECK_INPUTFILES_PERMISSION=0``, as
+every ``-f`` file): the deployer's ``dstIP``/``dstPort``, the CA to trust, the client certificate and key (an
+encrypted key's password is asked for on the terminal), a CRL, ``timeout`` (1-60 s) and ``log_level``. It prints
+the deployer's answer as JSON and exits 0 when its ``status`` is ``"0"``, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from ..schema import ConfigError, read_json_file
-from .config import MsctlConfig, check_file_mode, load_msctl_config, msctl_config_path
+from .config import MsctlConfig, load_msctl_config, msctl_config_path
 
 log = logging.getLogger("mindie_host.ms.msctl")
 
@@ -45,7 +45,7 @@ def add_msctl_parser(sub: Any) -> None:
         c = cmds.add_parser(name, help=what)
         c.add_argument("resource", choices=["infer_server"])
         if flag == "-f":
-            c.add_argument("-f", "--file", required=True, help="the JSON body (mode at most 0640)")
+            c.add_argument("-f", "--file", required=True, help="the JSON body (mode at most 0640 unless MINDIE_CHECK_INPUTFILES_PERMISSION=0)")
         else:
             c.add_argument("-n", "--name", required=True, help="server_name")
 
@@ -71,8 +71,7 @@ def _context(cfg: MsctlConfig) -> ssl.SSLContext | bool:
 
 
 def _body(path: str) -> Any:
-    check_file_mode(path, path)
-    return read_json_file(path)
+    return read_json_file(path)  # a config file: the mode rule of mindie_host.file_modes
 
 
 def run_msctl(args: argparse.Namespace) -> int:
