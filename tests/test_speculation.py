@@ -3,7 +3,7 @@
 A test proposer that is often wrong (a reference continuation with every third token
 corrupted, or random tokens) drives the engine over a tiny random model: greedy output is
 token-identical to decoding without drafts, alone and in a batch, also with stop strings,
-max_tokens, logprobs and a prefix cache; the KV of rejected drafts is rolled back (blocks freed,
+max_tokens, logprobs, a prefix cache and splitfuse chunks beside the verification rows; the KV of rejected drafts is rolled back (blocks freed,
 the prefix cache keys only accepted tokens); under sampling, rejection sampling keeps the
 target's distribution (chi-square against the exact distribution of the 2nd and 3rd tokens).
 """
@@ -72,11 +72,13 @@ def requests(host: Any, prefix: str = "r", **sampling: Any) -> list[EngineReques
 
 @pytest.fixture(scope="module")
 def host(tiny_model: Path) -> Any:
-    """The tiny model with the prefix cache on (small blocks), so every test also runs beside it."""
+    """The tiny model with the prefix cache (small blocks) and splitfuse (8-token prompt chunks beside the
+    verification rows) on, so every test also runs beside them."""
     return loaded_host(server_config(
         tiny_model, schedule={"maxBatchSize": 256, "maxPrefillBatchSize": 64, "enablePrefixCache": True,
-                              "cacheBlockSize": 4},
-        model={"plugin_params": '{"plugin_type": "prefix_cache"}'}))
+                              "cacheBlockSize": 4, "templateType": "Mix", "enableSplit": True,
+                              "splitChunkTokens": 8, "splitStartBatchSize": 0},
+        model={"plugin_params": '{"plugin_type": "prefix_cache,splitfuse"}'}))
 
 
 @pytest.fixture(scope="module")
