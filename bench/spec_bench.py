@@ -66,9 +66,14 @@ LABELS = {
 }
 
 
+#: ``--no-compile``: eager decode steps (quick sanity runs; the measurements keep peers.json's compiled ones)
+COMPILE = True
+
+
 def mindie_config(system: str) -> dict[str, Any]:
     cfg = json.loads((ROOT / "bench" / "configs" / "peers.json").read_text())
     model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model["compile"] = model.get("compile", False) and COMPILE
     plugins = json.loads(model["plugin_params"])["plugin_type"].split(",")
     if system == "llma":
         plugins.append("llma")
@@ -196,7 +201,10 @@ def main() -> int:
     ap.add_argument("-n", type=int, help="requests per run (default: 8 at c=1, 48 at c=16, 128 at c=64)")
     ap.add_argument("--logs", help="directory for mindie-host's logs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_bench.json"))
+    ap.add_argument("--no-compile", action="store_true", help="eager decode steps (a quick sanity run)")
     args = ap.parse_args()
+    global COMPILE
+    COMPILE = not args.no_compile
     systems = args.systems.split(",")
     concs = [int(c) for c in args.conc.split(",")]
     loads = args.loads.split(",")
