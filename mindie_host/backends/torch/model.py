@@ -15,7 +15,6 @@ import math
 from typing import Any
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 
 from ...distributed.tensor_parallel import TensorParallel
@@ -326,6 +325,8 @@ class DecoderModel:
         :meth:`forward` start using it, so this may run on another thread while eager steps
         are served (the backend does that).
         """
+        import torch._dynamo  # here, not at the top: importing it costs ~1.3 s of CPU in every engine process
+
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         # a C++ wrapper around the generated kernels saves ~0.5 ms of Python per step
         compiled = torch.compile(self._decode, options={"cpp_wrapper": True})
@@ -341,6 +342,8 @@ class DecoderModel:
     def _call_compiled(self, compiled: Any, ids: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
                        meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One decode step through the compiled :meth:`_decode`."""
+        import torch._dynamo
+
         kv_flat = [t for pair in kv_caches for t in pair]
         args = (ids, pos, idx, meta.slot_mapping, meta.gather_index, meta.attn_mask)
         for t in args:  # batch and context sizes vary; the caches and the model do not
