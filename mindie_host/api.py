@@ -48,7 +48,16 @@ from .engine.speculation import (
 from .host import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.weights import ModelSource, resolve_model
-from .tool_parsers import HermesToolParser, JsonToolParser, ToolParser, make_call
+from .reasoning_parsers import ReasoningParser
+from .tool_parsers import (
+    DeepSeekToolParser,
+    GlmToolParser,
+    HermesToolParser,
+    JsonToolParser,
+    MistralToolParser,
+    ToolParser,
+    make_call,
+)
 
 __all__ = [
     "BlockPool",
@@ -68,8 +77,11 @@ __all__ = [
     "DraftRequest",
     "Drafts",
     "EngineRequest",
+    "DeepSeekToolParser",
+    "GlmToolParser",
     "HermesToolParser",
     "JsonToolParser",
+    "MistralToolParser",
     "KVCacheManager",
     "MediaHandler",
     "ModelBackend",
@@ -77,6 +89,7 @@ __all__ = [
     "ModelInput",
     "ModelSource",
     "PayloadSlice",
+    "ReasoningParser",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

@@ -81,7 +81,7 @@ class LifecycleContext(PluginContext):
 
 @dataclass(frozen=True)
 class RequestContext(PluginContext):
-    """Context of the request-parsing hooks: routes, request refinement, request end, tool-call parsers.
+    """Context of the request-parsing hooks: routes, request refinement, request end, tool-call and reasoning parsers.
 
     :ivar host: the running :class:`~mindie_host.host.Host` (tokenizer, limits, ``generate``).
     """
@@ -134,6 +134,7 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_request_arrived": RequestContext,
     "mindie_host_request_finished": RequestContext,
     "mindie_host_tool_call_parser": RequestContext,
+    "mindie_host_reasoning_parser": RequestContext,
     "mindie_host_served_models": RequestContext,
     "mindie_host_order_waiting": SchedulingContext,
     "mindie_host_filter_waiting": SchedulingContext,

@@ -16,7 +16,7 @@ collect the results in a list.
 The hooks fall into five concerns:
 
 * lifecycle: validating a plugin's own config, startup, shutdown, metrics;
-* request parsing: protocol routes, refining an engine request, tool-call parsers;
+* request parsing: protocol routes, refining an engine request, tool-call and reasoning parsers;
 * scheduling policy: ordering the waiting queue, planning each step's batch, proposing draft tokens;
 * KV-cache management: the block manager (allocate, share, free, evict), and the connector that
   moves blocks between prefill and decode instances;
@@ -237,7 +237,26 @@ def mindie_host_tool_call_parser(ctx: RequestContext, model_type: str, host: Hos
         ``might_be_call(prefix) -> bool`` (streams hold such text back); subclass
         :class:`mindie_host.api.ToolParser` to get defaults for these and for the
         prompt used when the chat template ignores ``tools``. Called once per
-        server (the result is cached); the builtins answer last. firstresult.
+        server (the result is cached); the builtins answer last, with the format the
+        model's chat template writes calls in (``<tool_call>``, DeepSeek's tool-call
+        tokens, ``[TOOL_CALLS]``, GLM-4's ``<|observation|>`` turns), else the one of
+        ``model_type``'s family, else bare JSON. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_reasoning_parser(ctx: RequestContext, model_type: str, host: Host) -> Any | None:
+    """Provide the reasoning parser for a model family.
+
+    :param model_type: the model's family (``"qwen3"``, ``"deepseek_v3"``, ...).
+    :param host: the running host (its tokenizer carries the chat template).
+    :return: a :class:`mindie_host.api.ReasoningParser` (subclass it to change the
+        ``start``/``end`` tags or how an answer splits) whose reasoning the OpenAI chat
+        endpoint returns as ``reasoning_content`` and whose content it parses for tool
+        calls; ``None`` to let another plugin answer. The builtin, registered last,
+        returns the ``<think>…</think>`` parser when the model's chat template writes
+        ``</think>`` and ``None`` otherwise. Called once per server (the result is
+        cached). firstresult.
     """
 
 

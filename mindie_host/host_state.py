@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .chat_template import TemplateProfile
     from .content import MediaHandler
     from .server.metrics import ServingMetrics
     from .server.native import ClientIds
@@ -56,6 +57,10 @@ class HostCaches:
     special_token_ids: set[int] | None = None
     #: the tool-call parser for the model family (server/tool_calls.py)
     tool_parser: Any = None
+    #: the reasoning parser for the model family, False when the model does not reason (server/reasoning.py)
+    reasoning_parser: Any = None
+    #: what the tokenizer's chat template renders (chat_template.py)
+    chat_template_profile: TemplateProfile | None = None
     #: the tokenizer's vocabulary for the builtin grammar engine (structured/vocab.py)
     vocab: Vocab | None = None
     #: llguidance's view of the tokenizer (structured/llg.py)

@@ -51,6 +51,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "mindie_host.pd.tcp_connector",
     "mindie_host.server.openai",
     "mindie_host.server.tool_calls",
+    "mindie_host.server.reasoning",
     "mindie_host.server.tgi",
     "mindie_host.server.vllm",
     "mindie_host.server.triton",

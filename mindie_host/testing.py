@@ -9,6 +9,7 @@
   budgets and free ports.
 * :class:`RunningServer` starts the real HTTP server on free loopback ports in a
   background thread and stops it again.
+* :class:`ForcedTokens` makes a model write a given text (a tool call, a reasoning block).
 """
 
 from __future__ import annotations
@@ -242,6 +243,24 @@ class RunningServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ForcedTokens:
+    """``EngineRequest.logits_constraint`` that makes any model write exactly ``token_ids``, then end.
+
+    A random tiny model does not write a tool call or a reasoning block by itself; a test plugin
+    sets this constraint in ``mindie_host_refine_request`` so the real engine, detokenizer and
+    protocol parsers see the text a trained model of the family would write. ``end_ids`` are the
+    model's end-of-sequence ids.
+    """
+
+    def __init__(self, token_ids: list[int], end_ids: list[int]) -> None:
+        self.token_ids = list(token_ids)
+        self.end_ids = list(end_ids)
+
+    def __call__(self, output_token_ids: list[int]) -> list[int]:
+        n = len(output_token_ids)
+        return [self.token_ids[n]] if n < len(self.token_ids) else self.end_ids
 
 
 def rank_pids(engine_pid: int) -> list[int]:

@@ -13,7 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from mindie_host import hookimpl
 from mindie_host.server import tool_calls as tc
 from mindie_host.structured.json_grammar import JsonConstraint
 from mindie_host.structured.vocab import vocab_for
@@ -408,32 +407,6 @@ def test_tool_choice_none_and_role_tool_round_trip(client):
     without_call = client.chat.completions.create(model=MODEL, messages=[history[0], {"role": "assistant",
                                                   "content": "ok"}, history[2]], max_tokens=1, temperature=0)
     assert second.usage.prompt_tokens > without_call.usage.prompt_tokens  # the call is rendered for the model
-
-
-class AlwaysCallParser:
-    """A plugin parser with only ``parse``: every answer is a call of ``ping``."""
-
-    def parse(self, text):
-        return [tc.make_call("ping", {"text": text})]
-
-
-class ParserPlugin:
-    @hookimpl
-    def mindie_host_tool_call_parser(self, model_type, host):
-        return AlwaysCallParser()
-
-
-def test_parser_hook_picks_plugin(tiny_model):
-    with RunningServer(server_config(tiny_model), plugins=[(ParserPlugin(), "always-call")]) as srv:
-        c = client_for(srv)
-        r = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0,
-                                      tools=[{"type": "function", "function": {"name": "ping"}}])
-        assert r.choices[0].finish_reason == "tool_calls"
-        assert r.choices[0].message.tool_calls[0].function.name == "ping"
-        chunks = list(c.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True,
-                                                tools=[{"type": "function", "function": {"name": "ping"}}]))
-        calls = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
-        assert calls and calls[0].function.name == "ping"
 
 
 @pytest.mark.slow

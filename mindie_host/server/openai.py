@@ -20,13 +20,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import hookimpl
+from ..chat_template import fit_roles, template_kwargs, template_profile
 from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams, TokenLogprob
 from ..structured import llg, parse_structured
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .chat_stream import ChoiceStream
 from .outcome import failure, finish_reason, raise_for_failure
 from .params import build_sampling, copy_sampling
-from .tool_calls import ToolPlan, ToolStream, plan_tools, vocab_for
+from .reasoning import Reasoning, reasoning_for, special_markers
+from .tool_calls import ToolPlan, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
 
 if TYPE_CHECKING:
@@ -96,10 +99,15 @@ def resolve_model(host: Host, fields: Fields) -> str:
 UNSUPPORTED_CHAT = {
     "functions": "the deprecated functions API; send tools", "function_call": "deprecated; send tool_choice",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported", "reasoning_effort": "this model does not reason",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning effort is not supported; where the chat template reads it, "
+                        "chat_template_kwargs.enable_thinking turns thinking off or on",
+    "chat_template": "a request cannot replace the model's chat template",
+    "documents": "documents for retrieval-augmented templates are not supported",
 }
 UNSUPPORTED_COMPLETIONS = {"suffix": "insertion (suffix) is not supported"}
-NO_OP_VALUES = {"modalities": ["text"], "store": False, "service_tier": ("auto", "default"), "best_of": 1}
+NO_OP_VALUES = {"modalities": ["text"], "store": False, "service_tier": ("auto", "default"), "best_of": 1,
+                "add_generation_prompt": True, "continue_final_message": False}
 
 
 def refuse_unsupported(f: Fields, *, chat: bool) -> None:
@@ -244,6 +252,11 @@ def chat_messages(f: Fields) -> list[dict[str, Any]]:
             raise RequestError(f"{name}.tool_call_id is required when role is tool", field=f"{name}.tool_call_id")
         total += len(content)
         entry: dict[str, Any] = {"role": role, "content": content}
+        thought = msg.get("reasoning_content")
+        if thought is not None and role == "assistant":
+            if not isinstance(thought, str):
+                raise RequestError(f"{name}.reasoning_content must be a string", field=f"{name}.reasoning_content")
+            entry["reasoning_content"] = thought  # Qwen3's template renders it back after the last user turn
         if tool_calls:
             entry["tool_calls"] = validate_tool_calls(tool_calls, f"{name}.tool_calls")
         if role == "tool":
@@ -340,13 +353,16 @@ def timings(out: RequestOutput) -> dict[str, Any]:
     return {"prefill_time": round(prefill, 3), "decode_time_arr": decode}
 
 
-async def constrain(host: Host, reqs: list[EngineRequest], grammar: str | None) -> None:
-    """Give every request its own matcher of ``grammar`` (response_format / guided decoding)."""
+async def constrain(host: Host, reqs: list[EngineRequest], grammar: str | None,
+                    reasoning: Reasoning | None = None) -> None:
+    """Give every request its own matcher of ``grammar`` (response_format / guided decoding), applied after
+    the reasoning of a reasoning model."""
     if grammar is None:
         return
     tokenizer = await asyncio.to_thread(llg.tokenizer_for, host)  # built once per host, off the event loop
     for req in reqs:
-        req.logits_constraint = llg.GrammarConstraint(tokenizer, grammar)
+        constraint = llg.GrammarConstraint(tokenizer, grammar)
+        req.logits_constraint = reasoning.constrain(host, constraint) if reasoning is not None else constraint
 
 
 # -- endpoints ---------------------------------------------------------------------------------
@@ -379,6 +395,7 @@ class OpenAIServer:
             f = make_fields(host, body)
             parsed = parse_common(host, f, chat=True)
             messages = chat_messages(f)
+            profile = await offload(host, template_profile, host)  # probed once per template, off the event loop
             plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"),
                               parallel=f.bool("parallel_tool_calls", True) is not False)
             structured = parse_structured(body)
@@ -386,29 +403,42 @@ class OpenAIServer:
                 raise RequestError(f"{structured.field} cannot be combined with a required or named tool_choice",
                                    field=structured.field, status=400)
             grammar = await offload(host, llg.compile_grammar, structured) if structured is not None else None
-            messages, tools = plan.prepare(messages, getattr(host.tokenizer, "chat_template", None) or "")
-            prompt = await offload(host, host.apply_chat_template, messages, tools=tools)
+            kwargs = template_kwargs(f.raw("chat_template_kwargs"), profile)
+            messages, tools = plan.prepare(messages, profile)
+            prompt = await offload(host, host.apply_chat_template, fit_roles(messages, profile), tools=tools, **kwargs)
             check_text_size(prompt, "messages")
+            reasoning = reasoning_for(host, prompt)
             base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
             reqs = await offload(host, lambda: self.make_requests(
                 body, parsed, [(prompt, host.tokenize(prompt, add_special_tokens=False))], base_id))
+            keep = (plan.parser.markers if plan.mode == "auto" else ()) + (
+                (reasoning.parser.start, reasoning.parser.end) if reasoning is not None else ())
+            if keep and special_markers(host, keep):  # the parsers must see the markers the tokenizer calls special
+                for req in reqs:
+                    req.sampling.skip_special_tokens = False
             if plan.constrained:
                 await asyncio.to_thread(vocab_for, host)  # built once per tokenizer, off the event loop
                 await asyncio.to_thread(llg.tokenizer_for, host)
                 for req in reqs:
-                    req.logits_constraint = plan.constraint(host)
-            await constrain(host, reqs, grammar)
+                    constraint = plan.constraint(host)
+                    req.logits_constraint = reasoning.constrain(host, constraint) if reasoning is not None \
+                        else constraint
+            await constrain(host, reqs, grammar, reasoning)
             created = int(time.time())
             if parsed.stream:
-                return streaming_response(self._chat_stream(reqs, parsed, base_id, created, plan))
+                return streaming_response(self._chat_stream(reqs, parsed, base_id, created, plan, reasoning))
             outs = await until_disconnect(request, asyncio.gather(*(host.generate_full(r) for r in reqs)))
             choices = []
             for i, out in enumerate(outs):
                 raise_for_failure(out)
-                content, calls, reason = plan.finish(out.text, finish_reason(out))
+                thought, text = reasoning.split(out.text) if reasoning is not None else (None, out.text)
+                content, calls, reason = plan.finish(text, finish_reason(out))
+                message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+                if reasoning is not None:
+                    message["reasoning_content"] = thought
                 choice: dict[str, Any] = {
                     "index": i,
-                    "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "message": message,
                     "logprobs": chat_logprobs(host, out.logprobs) if parsed.logprobs is not None else None,
                     "finish_reason": reason,
                 }
@@ -461,11 +491,11 @@ class OpenAIServer:
                 t.cancel()
 
     async def _chat_stream(self, reqs: list[EngineRequest], parsed: ParsedRequest, base_id: str,
-                           created: int, plan: ToolPlan) -> AsyncIterator[bytes]:
+                           created: int, plan: ToolPlan, reasoning: Reasoning | None = None) -> AsyncIterator[bytes]:
         full_text = self.host.config.server.fullTextEnabled
         totals = [0] * len(reqs)
         prompt_tokens = len(reqs[0].prompt_token_ids)
-        tool_streams = [ToolStream(plan) for _ in reqs]
+        streams = [ChoiceStream(plan, reasoning) for _ in reqs]
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             return sse_event({"id": base_id, "object": "chat.completion.chunk", "created": created,
@@ -485,17 +515,17 @@ class OpenAIServer:
                     continue
                 logprobs = chat_logprobs(self.host, out.logprobs) if parsed.logprobs is not None and out.logprobs \
                     else None
-                ts = tool_streams[i]
+                cs = streams[i]
                 if not out.finished:
-                    for delta in ts.feed(out.new_text):
-                        if full_text and "content" in delta and ts.streaming:
-                            delta = {"content": out.text}
+                    for delta in cs.feed(out.new_text):
+                        if full_text and "content" in delta:  # cumulative content (MindIE's fullTextEnabled)
+                            delta = {**delta, "content": cs.content}
                         yield chunk([choice(i, delta, logprobs)])
                         logprobs = None
                     continue
-                deltas, reason = ts.finish(out.new_text, out.text, finish_reason(out))
-                if full_text and ts.streaming:
-                    deltas = [{"content": out.text}]
+                deltas, reason = cs.finish(out.new_text, finish_reason(out))
+                if full_text and not any("tool_calls" in d for d in deltas):
+                    deltas = [d for d in deltas if "reasoning_content" in d] + [{"content": cs.content}]
                 for delta in deltas[:-1]:
                     yield chunk([choice(i, delta, logprobs)])
                     logprobs = None

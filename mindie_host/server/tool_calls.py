@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import hookimpl
+from ..chat_template import TemplateProfile, template_profile
 from ..engine.request import RequestError
 from ..structured.json_grammar import DEFAULT_MAX_STRING, JsonConstraint, within_subset
 from ..structured.llg import GrammarConstraint, bounded
@@ -28,11 +29,13 @@ from ..tool_parsers import (
     JsonToolParser,
     ParserAdapter,
     ToolParser,
+    arguments_object,
     builtin_parser,
     call_from_obj,
     make_call,
     new_call_id,
 )
+from ..tool_parsers.base import first_marker, partial_marker
 
 if TYPE_CHECKING:
     from ..host import Host
@@ -45,7 +48,7 @@ __all__ = [
 
 @hookimpl(trylast=True)
 def mindie_host_tool_call_parser(model_type: str, host: Host) -> ToolParser:
-    return builtin_parser(model_type)
+    return builtin_parser(model_type, template_profile(host).template)
 
 
 # =============================================================================================
@@ -128,33 +131,59 @@ class ToolPlan:
             return [t for t in self.tools if t["function"]["name"] == self.function]
         return self.tools if self.active else []
 
-    def prepare(self, messages: list[dict[str, Any]], template: str) -> tuple[list[dict[str, Any]], Any]:
-        """Messages and ``tools`` for the chat template.
+    def prepare(self, messages: list[dict[str, Any]],
+                profile: TemplateProfile) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Messages and ``tools`` for the chat template, in the shape it renders.
 
-        A template that renders ``tools`` / ``tool_calls`` itself gets them; for one that
-        does not (SmolLM2's), the tools go into the system prompt and past calls into the
-        assistant text, in the parser's format, so the model sees both.
+        The family's parser first reshapes the history its template reads in its own way
+        (:meth:`ToolParser.shape_history`: GLM-4's ``observation`` turns, Mistral's call ids).
+        Then, for a template that does not render something (``profile``), it goes where the
+        model still sees it: past calls into the assistant text in the parser's format, tool
+        results into a user turn, the offered tools (and the call format) into the system prompt.
         """
         offered = self.offered()
-        knows_tools = "tools" in template
-        knows_calls = "tool_calls" in template
-        out = []
+        messages, tools = self.parser.shape_history(messages, offered or None, profile)
+        names = {c.get("id"): c.get("function", {}).get("name") for m in messages for c in m.get("tool_calls") or []}
+        out: list[dict[str, Any]] = []
         for msg in messages:
-            if msg.get("tool_calls") and not knows_calls:
-                text = self.parser.render(msg["tool_calls"])
-                msg = {**msg, "content": (msg.get("content") + "\n" if msg.get("content") else "") + text}
-                msg.pop("tool_calls")
+            if msg.get("tool_calls"):
+                calls = [self._call_for(c, profile) for c in msg["tool_calls"]]
+                content = msg.get("content") or ""
+                if not profile.renders_calls:
+                    msg = {k: v for k, v in msg.items() if k != "tool_calls"}
+                    msg["content"] = (content + "\n" if content else "") + self.parser.render(calls)
+                elif content and profile.calls_content is None:  # DeepSeek-V3: calls render only without content
+                    out.append({"role": "assistant", "content": content})
+                    msg = {**msg, "content": None, "tool_calls": calls}
+                else:
+                    msg = {**msg, "content": content or profile.calls_content, "tool_calls": calls}
+            elif msg.get("role") == "tool" and not profile.renders_tool_role:
+                name = names.get(msg.get("tool_call_id"))
+                msg = {"role": "user", "content": f"The function {name} returned: {msg.get('content', '')}" if name
+                       else f"A function returned: {msg.get('content', '')}"}
             out.append(msg)
-        if offered and not knows_tools:
-            note = self.parser.instructions(offered)
+        if tools and not profile.renders_tools:
+            note = self.parser.instructions(tools)
             if self.mode == "named":
                 note += f"\nCall the function {self.function} now."
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
             else:
                 out.insert(0, {"role": "system", "content": note})
-            return out, None
-        return out, (offered or None)
+            tools = None
+        return out, tools
+
+    @staticmethod
+    def _call_for(call: dict[str, Any], profile: TemplateProfile) -> dict[str, Any]:
+        """A past call with its arguments as the template wants them (a dict or the JSON text)."""
+        fn = call.get("function", {})
+        args = fn.get("arguments")
+        if profile.call_arguments == "object":
+            decoded = arguments_object(args)
+            args = decoded if decoded is not None else args
+        elif not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        return {"type": "function", **call, "function": {**fn, "arguments": args}}
 
     def constraint(self, host: Host) -> JsonConstraint | GrammarConstraint | None:
         """A fresh logits constraint for one generated choice (``None`` when unconstrained).
@@ -198,7 +227,7 @@ class ToolPlan:
             found = [call_from_obj(o) for o in (obj if isinstance(obj, list) else [obj])]
             calls = found if found and all(found) else None  # type: ignore[assignment]
         else:
-            calls = self.parser.parse(text)
+            calls = self.parser.parse_calls(text, self.offered())
         if not calls:
             return text, None, finish_reason
         if not self.parallel:
@@ -248,33 +277,54 @@ def _plan_tools(host: Host, tools_raw: Any, choice: Any) -> ToolPlan:
 
 
 class ToolStream:
-    """Turns one choice's streamed text into chat-chunk deltas, with ``tool_calls`` where there are calls.
+    """Turns one choice's streamed content into chat-chunk deltas, with ``tool_calls`` where there are calls.
 
-    Named tool choice streams the arguments as they are generated. Otherwise
-    text that may be the start of a call is held back until it is clear; at the
-    end, held text becomes ``tool_calls`` (parsed) or content.
+    Named tool choice streams the arguments as they are generated. For a format whose calls
+    follow a marker, text before the marker streams as content (a possible partial marker and
+    trailing spaces are held until the next piece); everything from the marker on is held and
+    parsed at the end. For a format without a marker, text that may be the start of a call is
+    held back until it is clear; at the end, held text becomes ``tool_calls`` or content. The
+    content deltas joined equal the non-streamed ``content``.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.held = ""
+        self.text = ""  # all content fed so far
+        self.sent = 0  # how much of it went out as content
+        self.in_calls = False  # a marker was seen
         self.streaming = not plan.active  # plain content from here on
         self.call_id = new_call_id()
         self.started = False
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return self.plan.parser.markers if self.plan.mode == "auto" else ()
+
+    def _flush(self, upto: int) -> list[dict[str, Any]]:
+        if upto <= self.sent:
+            return []
+        piece, self.sent = self.text[self.sent:upto], upto
+        return [{"content": piece}]
+
     def feed(self, new_text: str) -> list[dict[str, Any]]:
         """Deltas for ``new_text`` (not the last piece)."""
+        self.text += new_text
         if self.streaming:
-            return [{"content": new_text}] if new_text else []
+            return self._flush(len(self.text))
         if self.plan.mode == "named":
-            if not new_text:
+            return [{"tool_calls": [self._call_delta(new_text)]}] if new_text else []
+        if self.markers:
+            if self.in_calls:
                 return []
-            return [{"tool_calls": [self._call_delta(new_text)]}]
-        self.held += new_text
-        if self.plan.mode == "auto" and not self.plan.parser.might_be_call(self.held):
+            i = first_marker(self.text, self.markers)
+            if i >= 0:
+                self.in_calls = True
+                return self._flush(len(self.text[:i].rstrip()))
+            upto = len(self.text) - partial_marker(self.text, self.markers)
+            return self._flush(len(self.text[:upto].rstrip()))
+        if self.plan.mode == "auto" and not self.plan.parser.might_be_call(self.text):
             self.streaming = True
-            text, self.held = self.held, ""
-            return [{"content": text}]
+            return self._flush(len(self.text))
         return []
 
     def _call_delta(self, args: str) -> dict[str, Any]:
@@ -284,21 +334,23 @@ class ToolStream:
         return {"index": 0, "id": self.call_id, "type": "function",
                 "function": {"name": self.plan.function, "arguments": args}}
 
-    def finish(self, new_text: str, full_text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+    def finish(self, new_text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
         """Deltas for the last piece, and the choice's finish reason."""
         if self.streaming:
-            return ([{"content": new_text}] if new_text else []), finish_reason
+            self.text += new_text
+            return self._flush(len(self.text)), finish_reason
         if self.plan.mode == "named":
             deltas = self.feed(new_text)
-            _, calls, reason = self.plan.finish(full_text, finish_reason)
+            _, calls, reason = self.plan.finish(self.text, finish_reason)
             if calls and not self.started:
                 deltas.append({"tool_calls": [self._call_delta("")]})
             return deltas, reason
-        self.held += new_text
-        content, calls, reason = self.plan.finish(self.held, finish_reason)
-        deltas: list[dict[str, Any]] = []
-        if content:
-            deltas.append({"content": content})
+        self.text += new_text
+        content, calls, reason = self.plan.finish(self.text, finish_reason)
+        if self.markers:
+            deltas = self._flush(len(content) if calls else len(self.text))
+        else:
+            deltas = [{"content": content}] if content else []
         if calls:
             deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
         return deltas, reason
