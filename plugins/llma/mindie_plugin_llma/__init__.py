@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
 from mindie_host.api import (
+    DraftOutcome,
     DraftRequest,
     Drafts,
     EngineRequest,
@@ -63,10 +64,11 @@ class Params(BaseModel):
 
 
 class State:
-    """One n-gram index per live request."""
+    """One n-gram index per live request, and how many drafts it gets next (adapted to what it accepts)."""
 
     def __init__(self) -> None:
         self.indexes: dict[str, NgramIndex] = {}
+        self.k: dict[str, int] = {}
 
 
 @hookimpl
@@ -90,15 +92,28 @@ def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest])
         index = indexes.get(s.request_id)
         if index is None:
             index = indexes[s.request_id] = NgramIndex(params.minNgram, params.maxNgram)
-        tokens = index.propose(s.token_ids, min(params.numSpeculativeTokens, s.max_drafts))
+        k = ctx.state.k.get(s.request_id, params.numSpeculativeTokens)
+        tokens = index.propose(s.token_ids, min(k, s.max_drafts))
         out.append(Drafts(tokens) if tokens else None)
     return out
+
+
+@hookimpl
+def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutcome]) -> None:
+    """Adapt each request's k: one more after a fully accepted run, else one more than it accepted, so a request
+    whose text does not repeat verifies few rows (a row costs compute even when the step is bound by reading
+    the weights)."""
+    k_max = ctx.params.numSpeculativeTokens
+    for o in outcomes:
+        if not o.finished:
+            ctx.state.k[o.request_id] = min(k_max, o.accepted + 1)
 
 
 @hookimpl
 def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
     """Drop the request's index."""
     ctx.state.indexes.pop(request.request_id, None)
+    ctx.state.k.pop(request.request_id, None)
 
 
 @hookimpl
