@@ -38,36 +38,40 @@ from mindie_host.backend_api import (
 log = logging.getLogger(__name__)
 
 
-class SparseMoE:
-    """Top-k routed gated experts over a step's tokens (``h [T, H] -> [T, H]``)."""
+class SoftmaxRouter:
+    """Softmax over the router's logits (in float32), the ``top_k`` best kept, renormalized when ``renormalize``."""
 
-    def __init__(
-        self,
-        *,
-        router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        float_weights: bool,
-    ) -> None:
-        #: ``[E, H]``, ``[E, 2I, H]`` (gate rows, then up rows), ``[E, H, I]``
-        self.router, self.gate_up, self.down = router, gate_up, down
-        self.num_experts = router.shape[0]
+    def __init__(self, weight: torch.Tensor, *, top_k: int, renormalize: bool, float_weights: bool) -> None:
+        #: ``[E, H]``
+        self.weight = weight
         self.top_k, self.renormalize = top_k, renormalize
-        #: whether the routing weights multiply the experts' outputs in float32 (Mixtral) or in the model's dtype
+        #: whether the weights multiply the experts' outputs in float32 (Mixtral) or in the model's dtype
         self.float_weights = float_weights
 
-    def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor:
-        probs = torch.softmax(F.linear(h, self.router).float(), dim=-1)
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``(weights, experts)``, ``[T, top_k]`` each."""
+        probs = torch.softmax(F.linear(h, self.weight).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.float_weights:
-            weights = weights.to(h.dtype)
+        return (weights if self.float_weights else weights.to(h.dtype)), experts
+
+
+class SparseMoE:
+    """Routed gated experts over a step's tokens (``h [T, H] -> [T, H]``): ``router(h)`` gives each token's experts
+    and weights; each chosen expert runs once over all its tokens."""
+
+    def __init__(self, *, router: Any, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        #: ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``
+        self.router, self.gate_up, self.down = router, gate_up, down
+        self.num_experts = gate_up.shape[0]
+
+    def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        weights, experts = self.router(h)
+        top_k = experts.shape[-1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
+        tokens = order // top_k
         slot_weights = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         x = h.index_select(0, tokens)
@@ -82,6 +86,15 @@ class SparseMoE:
             out.index_add_(0, tokens[rows], y.to(out.dtype))
             start += count
         return out if step.tp is None else step.tp.all_reduce(out)
+
+
+def stacked_experts(weights: Any, prefix: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``{prefix}{i}.{gate,up,down}_proj.weight`` as ``[E, 2I, H]`` gate/up and ``[E, H, I]`` down stacks."""
+    gate_up = torch.stack(
+        [torch.cat([weights.tensor(f"{prefix}{i}.gate_proj.weight"), weights.tensor(f"{prefix}{i}.up_proj.weight")])
+         for i in range(count)]
+    )
+    return gate_up, torch.stack([weights.tensor(f"{prefix}{i}.down_proj.weight") for i in range(count)])
 
 
 class MoEFamily(Architecture):
@@ -132,19 +145,10 @@ class MoEFamily(Architecture):
         """The shared attention with :class:`SparseMoE` (or the dense MLP on a dense layer)."""
         p = f"model.layers.{index}."
         if index in arch.options["sparse_layers"]:
-            e = p + "mlp.experts."
-            n = arch.options["num_experts"]
-            mlp: Any = SparseMoE(
-                router=weights.tensor(p + "mlp.gate.weight"),
-                gate_up=torch.stack(
-                    [torch.cat([weights.tensor(f"{e}{i}.gate_proj.weight"), weights.tensor(f"{e}{i}.up_proj.weight")])
-                     for i in range(n)]
-                ),
-                down=torch.stack([weights.tensor(f"{e}{i}.down_proj.weight") for i in range(n)]),
-                top_k=arch.options["top_k"],
-                renormalize=arch.options["renormalize"],
-                float_weights=self.float_weights,
-            )
+            gate_up, down = stacked_experts(weights, p + "mlp.experts.", arch.options["num_experts"])
+            router = SoftmaxRouter(weights.tensor(p + "mlp.gate.weight"), top_k=arch.options["top_k"],
+                                   renormalize=arch.options["renormalize"], float_weights=self.float_weights)
+            mlp: Any = SparseMoE(router=router, gate_up=gate_up, down=down)
         else:
             mlp = dense_mlp(arch, index, weights)
         if index == 0 and weights.stored:

@@ -118,6 +118,40 @@ SPECS: dict[str, Spec] = {
         "MixtralForCausalLM",
         {**SHAPE, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64},
     ),
+    "deepseek_v3": Spec(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        },
+    ),
     "phi3": Spec(
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -139,7 +173,7 @@ SPECS: dict[str, Spec] = {
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3", "qwen3_moe", "mixtral"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"]
 #: the families whose every MLP product the int8 weight schemes serve (a mixture keeps its experts in float)
 DENSE_FAMILIES = PLUGIN_FAMILIES[:5]
 
