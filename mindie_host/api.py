@@ -45,7 +45,7 @@ from .engine.speculation import (
     read_opt_out,
     speculation_metrics,
 )
-from .host import Host
+from .host_protocol import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.weights import ModelSource, resolve_model
 from .reasoning_parsers import ReasoningParser

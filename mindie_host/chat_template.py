@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.request import RequestError
+from .host_state import CacheSlot
 
 log = logging.getLogger("mindie_host.chat_template")
 
@@ -171,12 +172,17 @@ def profile_of(tokenizer: Any) -> TemplateProfile:
     return profile
 
 
+#: what the host's chat template renders, probed once per template
+TEMPLATE_PROFILE: CacheSlot[TemplateProfile] = CacheSlot("chat template profile")
+
+
 def template_profile(host: Any) -> TemplateProfile:
     """The profile of the host's tokenizer's chat template, computed once."""
     template = str(getattr(host.tokenizer, "chat_template", None) or "")
-    profile = host.caches.chat_template_profile
+    profile = host.caches.get(TEMPLATE_PROFILE)
     if profile is None or profile.template != template:
-        profile = host.caches.chat_template_profile = profile_of(host.tokenizer)
+        profile = profile_of(host.tokenizer)
+        host.caches.put(TEMPLATE_PROFILE, profile)
     return profile
 
 

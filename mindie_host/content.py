@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from .engine.request import RequestError
+from .host_state import CacheSlot
 
 #: content-part types that carry media rather than text (spec §0.4)
 MEDIA_TYPES: tuple[str, ...] = ("image_url", "video_url", "audio_url")
@@ -42,20 +43,24 @@ def bind_host(host: Any) -> None:
     _current_host.set(host)
 
 
+#: the media handler a plugin registered, per host
+MEDIA_HANDLER: CacheSlot[MediaHandler] = CacheSlot("media handler")
+
+
 def register_media_handler(host: Any, handler: MediaHandler) -> None:
     """Serve ``host``'s media parts with ``handler`` (a plugin calls this at startup)."""
-    host.caches.media_handler = handler
+    host.caches.put(MEDIA_HANDLER, handler)
 
 
 def unregister_media_handler(host: Any) -> None:
     """Stop serving media parts on ``host``."""
-    host.caches.media_handler = None
+    host.caches.put(MEDIA_HANDLER, None)
 
 
 def media_text(kind: str, item: dict[str, Any], field: str) -> str:
     """The placeholder text of a media part, or a 422 when no plugin serves media on this host."""
     host = _current_host.get()
-    handler: MediaHandler | None = host.caches.media_handler if host is not None else None
+    handler = host.caches.get(MEDIA_HANDLER) if host is not None else None
     if handler is None:
         raise RequestError(
             f"{field}.type {kind!r} is not supported by this text-only model "

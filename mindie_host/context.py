@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
-    from .host import Host
+    from .host_protocol import Host
     from .models.architecture import Architectures
 
 #: Logger names of plugins hang under this one.
@@ -72,7 +72,7 @@ class PluginContext:
 class LifecycleContext(PluginContext):
     """Context of the lifecycle hooks: config validation, startup, shutdown, metrics, step outputs.
 
-    :ivar host: the running :class:`~mindie_host.host.Host`; ``None`` during
+    :ivar host: the running :class:`~mindie_host.host_protocol.Host`; ``None`` during
         ``mindie_host_validate_config``, which runs before anything is loaded.
     """
 
@@ -83,7 +83,7 @@ class LifecycleContext(PluginContext):
 class RequestContext(PluginContext):
     """Context of the request-parsing hooks: routes, request refinement, request end, tool-call and reasoning parsers.
 
-    :ivar host: the running :class:`~mindie_host.host.Host` (tokenizer, limits, ``generate``).
+    :ivar host: the running :class:`~mindie_host.host_protocol.Host` (tokenizer, limits, ``generate``).
     """
 
     host: Host | None = None

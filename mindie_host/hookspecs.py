@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
     from .engine.speculation import DraftOutcome, DraftRequest, Drafts
-    from .host import Host
+    from .host_protocol import Host
     from .models.architecture import Architecture
 
 hookspec = pluggy.HookspecMarker("mindie_host")
@@ -88,7 +88,7 @@ def mindie_host_validate_config(ctx: LifecycleContext, config: Config, model_con
 def mindie_host_startup(ctx: LifecycleContext, host: Host) -> None:
     """Called once the model is loaded and the engine is built, before serving.
 
-    :param host: the running :class:`~mindie_host.host.Host` (config, tokenizer,
+    :param host: the running :class:`~mindie_host.host_protocol.Host` (config, tokenizer,
         model info, engine statistics). Use it to load adapters, register
         metrics, start background work. Not firstresult; return value ignored.
     """

@@ -36,7 +36,7 @@ from .models.architecture import Architectures
 
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
-    from .host import Host
+    from .host_protocol import Host
 
 ENTRY_POINT_GROUP = "mindie_host.plugins"
 #: entry points named by the model types a plugin's families serve (the value: the plugin's module)
@@ -235,7 +235,7 @@ class PluginHost:
     """The pluggy manager, the bookkeeping of what is enabled, and each plugin's context.
 
     One ``PluginHost`` serves one engine: :meth:`bind` ties it to the config,
-    the model entry and the :class:`~mindie_host.host.Host`, which every
+    the model entry and the :class:`~mindie_host.host_protocol.Host`, which every
     context carries; each plugin's ``Params`` and ``State`` are made once here.
     """
 

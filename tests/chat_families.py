@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mindie_host.server.reasoning import REASONING_PARSER
+from mindie_host.server.tool_calls import TOOL_PARSER
+
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 QWEN_TOKENS = (
@@ -259,5 +262,5 @@ def union_model(directory: Path) -> Path:
 def use_template(host: Any, family: Family) -> None:
     """Serve ``family``'s chat template and bos/eos strings from now on (the parsers are chosen again)."""
     with_family(host.tokenizer, family)
-    host.caches.tool_parser = None
-    host.caches.reasoning_parser = None
+    host.caches.put(TOOL_PARSER, None)
+    host.caches.put(REASONING_PARSER, None)

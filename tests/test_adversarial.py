@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mindie_host.config import config_from_dict
-from mindie_host.server.security import check_bind_addresses
+from mindie_host.server.security import LINK_GATE, check_bind_addresses
 from mindie_host.testing import RunningServer, server_config
 
 MODEL = "tiny"
@@ -241,7 +241,7 @@ def test_slow_bodies_hold_no_connection_slot(server: RunningServer) -> None:
     finally:
         for sock in socks:
             sock.close()
-    gate = server.host.runtime.link_gate
+    gate = server.host.caches.get(LINK_GATE)
     assert gate.active == 0 and gate.waiting == 0
 
 

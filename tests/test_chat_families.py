@@ -20,6 +20,8 @@ from chat_families import FAMILIES, union_model, use_template
 
 from mindie_host import hookimpl
 from mindie_host.reasoning_parsers import ReasoningParser
+from mindie_host.server.reasoning import REASONING_PARSER
+from mindie_host.server.tool_calls import TOOL_PARSER
 from mindie_host.testing import ForcedTokens, RunningServer, server_config
 from mindie_host.tool_parsers import make_call
 
@@ -286,8 +288,8 @@ def test_parser_hooks_pick_plugin(server, force, client):
         assert (thought, reason) == ("why not", "tool_calls") and calls_of(calls) == [("ping", {"text": "Because."})]
     finally:
         server.host.plugins.pm.unregister(plugin)
-        server.host.caches.reasoning_parser = None
-        server.host.caches.tool_parser = None
+        server.host.caches.put(REASONING_PARSER, None)
+        server.host.caches.put(TOOL_PARSER, None)
 
 
 def test_refused_template_fields(server, force):

@@ -22,7 +22,7 @@ import pytest
 
 from mindie_host.api import hookimpl
 from mindie_host.engine import ipc
-from mindie_host.engine.process import EngineStartError
+from mindie_host.engine.handle import EngineStartError
 from mindie_host.engine.request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from mindie_host.testing import RunningServer, make_tiny_llama, server_config, wait_for
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from mindie_host.server.security import LINK_GATE
 from mindie_host.testing import RunningServer, server_config
 
 API_KEY = "sk-test-limits-123"
@@ -42,7 +43,7 @@ def complete(url: str, headers: dict[str, str] | None = AUTH, **body: Any) -> ht
 def test_requests_beyond_the_queue_are_rejected_and_queued_ones_are_served(limited: RunningServer) -> None:
     """maxLinkNum=1: one in progress, two queued, the fourth refused with 503; nothing accepted is dropped."""
     host = limited.host
-    gate = host.runtime.link_gate
+    gate = host.caches.get(LINK_GATE)
     backend = host.backend
     assert backend is not None
     original = backend.execute

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mindie_host.server.native import CLIENT_IDS
 from mindie_host.testing import RunningServer, server_config
 
 PROMPT = "My name is Olivier and I"
@@ -223,4 +224,4 @@ def test_stop_infer_stops_a_triton_generate_stream(tiny_server: RunningServer) -
     assert stats["kv_blocks_used"] == 0 and stats["finished_abort"] == aborted + 1
     again = httpx.post(tiny_server.url + "/v2/models/tiny/stopInfer", json={"id": "a123"})
     assert again.status_code == 404
-    assert tiny_server.host.caches.client_ids.engine_ids("a123") == []  # finished requests are forgotten
+    assert tiny_server.host.caches.get(CLIENT_IDS).engine_ids("a123") == []  # finished requests are forgotten

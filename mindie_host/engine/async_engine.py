@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from .commands import CommandRefused, answer, run_command, settle
 from .core import LLMEngine
+from .request import EngineRequest, RequestError, RequestOutput, failed_output
 
 if TYPE_CHECKING:
-    from ..plugins import PluginHost
-from .request import EngineRequest, RequestError, RequestOutput, failed_output
+    from .hook_relay import HookRelay
 
 log = logging.getLogger("mindie_host.engine")
 
@@ -27,7 +27,7 @@ log = logging.getLogger("mindie_host.engine")
 class AsyncEngine:
     """Runs an :class:`LLMEngine` on a worker thread and streams outputs to coroutines."""
 
-    def __init__(self, engine: LLMEngine, plugins: PluginHost | None = None) -> None:
+    def __init__(self, engine: LLMEngine, plugins: HookRelay | None = None) -> None:
         self.engine = engine
         #: the plugins (``mindie_host_step_outputs`` sees every step's outputs); None runs no hook
         self.plugins = plugins

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .request import RequestError
 
 if TYPE_CHECKING:
-    from ..plugins import PluginHost
+    from .hook_relay import HookRelay
 
 log = logging.getLogger("mindie_host.engine")
 
@@ -36,7 +36,7 @@ class CommandRefused:
         return RequestError(self.message, status=self.status, field=self.field)
 
 
-def run_command(plugins: PluginHost | None, target: str, command: str, payload: Any) -> Any:
+def run_command(plugins: HookRelay | None, target: str, command: str, payload: Any) -> Any:
     """Run ``target``'s ``command`` on the engine's side: its answer, or a :class:`CommandRefused`."""
     if plugins is None:
         return CommandRefused("this engine runs no plugins", 404)

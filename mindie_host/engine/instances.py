@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .request import EngineRequest, RequestError, RequestOutput
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
     from .process import EngineProcessClient
 
 log = logging.getLogger("mindie_host.engine.instances")

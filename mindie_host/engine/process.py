@@ -45,6 +45,7 @@ import zmq
 from . import ipc
 from .async_engine import AsyncEngine
 from .commands import CommandRefused, answer, run_command, settle
+from .handle import EngineStartError
 from .request import RequestError, RequestOutput, failed_output
 
 if TYPE_CHECKING:
@@ -70,10 +71,6 @@ ENGINE_HOOKS = frozenset({
     "mindie_host_request_finished", "mindie_host_engine_command", "mindie_host_kv_connector",
     "mindie_host_model_architectures", "mindie_host_propose_drafts", "mindie_host_drafts_accepted",
 })
-
-
-class EngineStartError(RuntimeError):
-    """The engine process could not load the model (or died while loading)."""
 
 
 def exit_reason(exitcode: int | None) -> str:

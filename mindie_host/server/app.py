@@ -27,7 +27,7 @@ from ..logs import current_request_id
 from .validation import parse_json_body
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 log = logging.getLogger("mindie_host.server")
 

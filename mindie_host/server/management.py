@@ -33,9 +33,10 @@ from .. import hookimpl
 from ..engine.request import RequestError, SamplingParams
 from .app import error_response, json_response
 from .metrics import metrics_json, read_stats
+from .pd import PD_STATE
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 DEFAULT_PROBE_TIMEOUT = 10
 MAX_PROBE_TIMEOUT = 600
@@ -129,7 +130,7 @@ def dynamic_status(host: Host) -> dict[str, Any]:
     slots = host.config.schedule.maxBatchSize * host.config.BackendConfig.modelInstanceNumber  # instances summed
     free_slots = max(0, slots - int(stats.get("num_running", 0)))
     role, role_status = "none", "RoleReady" if host.ready else "RoleUnknown"
-    pd = host.runtime.pd
+    pd = host.caches.get(PD_STATE)
     if host.config.server.inferMode == "dmi":  # PD: the role the controller set (server/pd.py)
         role_status = pd.role_status if (pd is not None and host.ready) else "RoleUnknown"
         role = pd.role if role_status == "RoleReady" else "none"

@@ -35,11 +35,13 @@ from prometheus_client.registry import Collector
 
 from .. import hookimpl
 from ..engine.request import RequestOutput
+from ..host_state import CacheSlot
 from .app import json_response
+from .security import LINK_GATE
 
 if TYPE_CHECKING:
     from ..context import LifecycleContext
-    from ..host import Host
+    from ..host_protocol import Host
 
 ENV_MONITOR = "MIES_SERVICE_MONITOR_MODE"
 ENV_WINDOW = "DYNAMIC_AVERAGE_WINDOW_SIZE"
@@ -193,15 +195,20 @@ class ServingMetrics:
         return sum(window) / len(window) if window else 0.0
 
 
+#: the Prometheus histograms and the latency windows, per host
+SERVING_METRICS: CacheSlot[ServingMetrics] = CacheSlot("serving metrics")
+
+
 def serving_metrics(host: Host) -> ServingMetrics:
     """The host's :class:`ServingMetrics`, created on first use."""
-    metrics = host.caches.serving_metrics
-    if metrics is None:
-        metrics = ServingMetrics(model_label(host), window_size())
-        metrics.registry.register(_ScalarCollector(host))
-        metrics.add_histograms()
-        metrics.registry.register(_ExtraCollector(host))
-        host.caches.serving_metrics = metrics
+    return host.caches.get_or_make(SERVING_METRICS, lambda: _new_metrics(host))
+
+
+def _new_metrics(host: Host) -> ServingMetrics:
+    metrics = ServingMetrics(model_label(host), window_size())
+    metrics.registry.register(_ScalarCollector(host))
+    metrics.add_histograms()
+    metrics.registry.register(_ExtraCollector(host))
     return metrics
 
 
@@ -244,7 +251,7 @@ def read_stats(host: Host) -> dict[str, float]:
 def spec_scalar_values(host: Host) -> dict[str, float]:
     """Values of the spec's counters and gauges from ``host.stats()``."""
     stats = read_stats(host)
-    metrics: ServingMetrics | None = host.caches.serving_metrics
+    metrics = host.caches.get(SERVING_METRICS)
     received = stats.get("requests_received", 0.0)
     failed = stats.get("finished_error", 0.0) + stats.get("finished_timeout", 0.0)
     return {
@@ -274,7 +281,7 @@ def _extra_families(host: Host, label: str) -> Iterator[Metric]:
         ("mindie_host_requests_active", "Requests submitted to the engine and not finished.",
          stats.get("num_active_requests", 0.0)),
     ]
-    gate = host.runtime.link_gate
+    gate = host.caches.get(LINK_GATE)
     if gate is not None:
         gauges.append(("mindie_host_http_requests_processing", "Business requests being processed (maxLinkNum).",
                        float(gate.active)))
@@ -343,7 +350,7 @@ def _escape(value: str) -> str:
 def metrics_json(host: Host, instance: str) -> dict[str, Any]:
     """The ``/metrics-json`` body (spec §4.1): TTFT, TBT, waiting, processing, remainBlocks, then plugin gauges."""
     stats = read_stats(host)
-    metrics: ServingMetrics | None = host.caches.serving_metrics
+    metrics = host.caches.get(SERVING_METRICS)
     values: list[tuple[str, float]] = [
         ("TTFT", metrics.ttft_average if metrics else 0.0),
         ("TBT", metrics.tbt_average if metrics else 0.0),

@@ -25,6 +25,7 @@ from fastapi.responses import Response
 
 from .. import hookimpl
 from ..engine.request import EngineRequest, RequestError, RequestOutput
+from ..host_state import CacheSlot
 from .app import (
     error_response,
     json_response,
@@ -49,7 +50,7 @@ from .validation import Fields
 
 if TYPE_CHECKING:
     from ..context import LifecycleContext
-    from ..host import Host
+    from ..host_protocol import Host
 
 PROTOCOL = "native"
 #: ``input_id`` values must lie in [0, 1024*1024] (and in the vocabulary).
@@ -105,12 +106,13 @@ class ClientIds:
                         del self._by_client[cid]
 
 
+#: MindIE native client-id bookkeeping, per host
+CLIENT_IDS: CacheSlot[ClientIds] = CacheSlot("native client ids")
+
+
 def client_ids(host: Host) -> ClientIds:
     """The host's :class:`ClientIds` registry."""
-    registry = host.caches.client_ids
-    if registry is None:
-        registry = host.caches.client_ids = ClientIds()
-    return registry
+    return host.caches.get_or_make(CLIENT_IDS, ClientIds)
 
 
 class NativeServer:

@@ -33,7 +33,7 @@ from .tool_calls import ToolPlan, plan_tools, vocab_for
 from .validation import INT32_MAX, Fields, check_fan_out, check_seed, check_text_size
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 PROTOCOL = "openai"
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine.request import RequestError, SamplingParams
+from ..host_state import CacheSlot
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 SPEC_DEFAULTS: dict[str, Any] = {
@@ -35,11 +36,16 @@ SPEC_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: the model's generation_config.json sampling defaults, per host
+SAMPLING_DEFAULTS: CacheSlot[dict[str, Any]] = CacheSlot("the model's sampling defaults")
+
+
 def model_defaults(host: Host) -> dict[str, Any]:
     """Sampling defaults of the served model (cached on the host)."""
-    cached = host.caches.sampling_defaults
-    if cached is not None:
-        return cached
+    return host.caches.get_or_make(SAMPLING_DEFAULTS, lambda: _read_defaults(host))
+
+
+def _read_defaults(host: Host) -> dict[str, Any]:
     defaults = dict(SPEC_DEFAULTS)
     weight_path = host.model_config.modelWeightPath
     gen = Path(weight_path) / "generation_config.json" if weight_path else None
@@ -53,7 +59,6 @@ def model_defaults(host: Host) -> dict[str, Any]:
         value = getattr(host.model_config, key, None)
         if value is not None:
             defaults[key] = value
-    host.caches.sampling_defaults = defaults
     return defaults
 
 

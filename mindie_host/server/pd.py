@@ -41,11 +41,12 @@ from starlette.responses import StreamingResponse
 
 from .. import hookimpl
 from ..engine.handoff import HOLD_SECONDS
+from ..host_state import CacheSlot
 from ..pd.call import DECODE, PREFILL, PDCall, current_call
 from .app import json_response
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 log = logging.getLogger("mindie_host.server.pd")
 
@@ -103,10 +104,15 @@ class PDState:
         self.held[req_id] = (engine_request_id, now)
 
 
+#: this instance's PD role, channels and held KV, per host (made on first use)
+PD_STATE: CacheSlot[PDState] = CacheSlot("PD disaggregation state")
+#: the business app behind the PD gate (set by server/runner.py), for requests a P instance hands to this D
+BUSINESS_APP: CacheSlot[Any] = CacheSlot("business app")
+
+
 def pd_state(host: Host) -> PDState:
-    if host.runtime.pd is None:
-        host.runtime.pd = PDState()
-    return host.runtime.pd  # type: ignore[no-any-return]
+    """This instance's :class:`PDState`, made on first use."""
+    return host.caches.get_or_make(PD_STATE, PDState)
 
 
 def dmi(host: Host) -> bool:
@@ -508,7 +514,7 @@ def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
             except (ValueError, AssertionError, UnicodeDecodeError):
                 return _error("the body must be P's request: reqId, path, body, source, handle", 422,
                               "Input Validation Error")
-            business = host.runtime.business_app
+            business = host.caches.get(BUSINESS_APP)
             if business is None or not host.ready:
                 return _error("D is not ready", 503, "Service Unavailable")
             task = asyncio.create_task(decode_replay(host, business, message))

@@ -18,10 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from .. import hookimpl
 from ..chat_template import template_profile
+from ..host_state import CacheSlot
 from ..reasoning_parsers import ReasoningParser, ReasoningStream
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
+
+#: the model's reasoning parser, ``False`` when the model does not reason
+REASONING_PARSER: CacheSlot[ReasoningParser | bool] = CacheSlot("reasoning parser")
 
 
 @hookimpl(trylast=True)
@@ -32,12 +36,13 @@ def mindie_host_reasoning_parser(model_type: str, host: Host) -> ReasoningParser
 
 def reasoning_parser(host: Host) -> ReasoningParser | None:
     """The model's reasoning parser (asked of the plugins once per host), or None."""
-    cached = host.caches.reasoning_parser
-    if cached is None:
+
+    def ask() -> ReasoningParser | bool:
         model_type = host.info.model_type if host.info is not None else "llama"
-        cached = host.plugins.hook.mindie_host_reasoning_parser(model_type=model_type, host=host) or False
-        host.caches.reasoning_parser = cached
-    return cached or None
+        return host.plugins.hook.mindie_host_reasoning_parser(model_type=model_type, host=host) or False
+
+    cached = host.caches.get_or_make(REASONING_PARSER, ask)
+    return cached if isinstance(cached, ReasoningParser) else None
 
 
 @dataclass

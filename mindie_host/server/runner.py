@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from .app import create_app
-from .pd import PDGate
-from .security import BusinessGuard, LinkGate, check_bind_addresses, listener_protocol, tls_options
+from .pd import BUSINESS_APP, PDGate
+from .security import LINK_GATE, BusinessGuard, LinkGate, check_bind_addresses, listener_protocol, tls_options
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from ..host import Host
+    from ..host_protocol import Host
 
 log = logging.getLogger("mindie_host.server")
 
@@ -111,9 +111,7 @@ def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
     """Wrap a listener's app with request ids, and on business routes the API key, body cap and maxLinkNum."""
     gate = None
     if "business" in planes:
-        gate = host.runtime.link_gate
-        if gate is None:
-            gate = host.runtime.link_gate = LinkGate(host.config.server.maxLinkNum)
+        gate = host.caches.get_or_make(LINK_GATE, lambda: LinkGate(host.config.server.maxLinkNum))
     business = {id(r) for r in getattr(app.state, "business_routes", [])}
 
     def is_business(scope: Any) -> bool:
@@ -150,7 +148,7 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
     for listener in plan_listeners(host):
         app = guard(host, build_app(host, listener.planes), listener.planes)
         if "business" in listener.planes:
-            host.runtime.business_app = app
+            host.caches.put(BUSINESS_APP, app)
             app = PDGate(host, app)
         cfg = uvicorn.Config(
             app, host=listener.host, port=listener.port, log_level="warning", access_log=False,

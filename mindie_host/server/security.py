@@ -44,6 +44,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..file_modes import SECRET_MODE, FileModeError, check_mode
+from ..host_state import CacheSlot
 from ..keystore import SecretReader
 from ..logs import bind_request_id, reset_request_id
 
@@ -228,6 +229,10 @@ def tls_options(config: Config, planes: tuple[str, ...]) -> dict[str, Any]:
 
 
 # -- connection limits ------------------------------------------------------------------------------
+#: the business plane's ``maxLinkNum`` gate, per host (made by server/runner.py, read by /metrics)
+LINK_GATE: CacheSlot[LinkGate] = CacheSlot("maxLinkNum gate")
+
+
 class LinkGate:
     """``maxLinkNum`` in progress, ``queue_factor * maxLinkNum`` waiting, the rest refused."""
 

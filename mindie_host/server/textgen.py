@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..content import MEDIA_TYPES, media_text
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
+from ..host_state import CacheSlot
 from .outcome import failure, finish_reason
 from .params import build_sampling
 from .validation import INT32_MAX, Fields, check_seed, check_text_size
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 #: TGI's ``adapter_id`` charset and length (spec §1.3).
 ADAPTER_ID_RE = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
@@ -176,15 +177,20 @@ def tgi_finish_reason(out: RequestOutput) -> str:
     return finish_reason(out, "tgi")
 
 
+#: the tokenizer's special token ids, per host
+SPECIAL_IDS: CacheSlot[set[int]] = CacheSlot("special token ids")
+
+
 def special_ids(host: Host) -> set[int]:
     """The tokenizer's special token ids (cached on the host)."""
-    cached = host.caches.special_token_ids
-    if cached is None:
-        cached = set(getattr(host.tokenizer, "all_special_ids", []) or [])
-        if host.info is not None:
-            cached.update(host.info.eos_token_ids)
-        host.caches.special_token_ids = cached
-    return cached
+    return host.caches.get_or_make(SPECIAL_IDS, lambda: _special_ids(host))
+
+
+def _special_ids(host: Host) -> set[int]:
+    ids = set(getattr(host.tokenizer, "all_special_ids", []) or [])
+    if host.info is not None:
+        ids.update(host.info.eos_token_ids)
+    return ids
 
 
 def eos_id(host: Host) -> int:

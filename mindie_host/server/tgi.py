@@ -35,7 +35,7 @@ from .textgen import (
 from .validation import Fields, check_fan_out
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 PROTOCOL = "tgi"
 

@@ -28,7 +28,7 @@ from .openai import chat_messages, make_fields, openai_error
 from .validation import Fields
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 #: MindIE's limit on ``inputs`` (characters)
 MAX_INPUTS = 4 * 1024 * 1024

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .. import hookimpl
 from ..chat_template import TemplateProfile, template_profile
 from ..engine.request import RequestError
+from ..host_state import CacheSlot
 from ..structured.json_grammar import DEFAULT_MAX_STRING, JsonConstraint, within_subset
 from ..structured.llg import GrammarConstraint, bounded
 from ..structured.spec import StructuredSpec
@@ -38,7 +39,7 @@ from ..tool_parsers import (
 from ..tool_parsers.base import first_marker, partial_marker
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 __all__ = [
     "HermesToolParser", "JsonToolParser", "ToolParser", "ToolPlan", "ToolStream", "builtin_parser", "make_call",
@@ -243,17 +244,22 @@ def plan_tools(host: Host, tools_raw: Any, choice: Any, parallel: bool = True) -
     return plan
 
 
+#: the tool-call parser of the model family, per host
+TOOL_PARSER: CacheSlot[ToolParser] = CacheSlot("tool-call parser")
+
+
+def _model_parser(host: Host) -> ToolParser:
+    """A plugin's parser for the model family (``mindie_host_tool_call_parser``), else the builtin one."""
+    model_type = host.info.model_type if host.info is not None else "llama"
+    parser = host.plugins.hook.mindie_host_tool_call_parser(model_type=model_type, host=host)
+    if parser is None:
+        return builtin_parser(model_type)
+    return parser if isinstance(parser, ToolParser) else ParserAdapter(parser)
+
+
 def _plan_tools(host: Host, tools_raw: Any, choice: Any) -> ToolPlan:
     tools = validate_tools(tools_raw) if tools_raw is not None else []
-    parser = host.caches.tool_parser
-    if parser is None:
-        model_type = host.info.model_type if host.info is not None else "llama"
-        parser = host.plugins.hook.mindie_host_tool_call_parser(model_type=model_type, host=host)
-        if parser is None:
-            parser = builtin_parser(model_type)
-        elif not isinstance(parser, ToolParser):
-            parser = ParserAdapter(parser)
-        host.caches.tool_parser = parser
+    parser = host.caches.get_or_make(TOOL_PARSER, lambda: _model_parser(host))
     if choice is None:
         return ToolPlan("auto" if tools else "none", tools, parser)
     if isinstance(choice, str):

@@ -44,7 +44,7 @@ from .triton_binary import TensorCodecError, decode_infer_request, encode_infer_
 from .validation import INT32_MAX, Fields, check_seed, check_text_size, parse_json_body
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 PROTOCOL = "triton"
 HEADER_LENGTH = "Inference-Header-Content-Length"

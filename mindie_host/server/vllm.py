@@ -24,7 +24,7 @@ from .textgen import check_adapter, failure, primed, text_input
 from .validation import INT32_MAX, Fields, check_seed
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 PROTOCOL = "vllm"
 #: The stream's object separator.

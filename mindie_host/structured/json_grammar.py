@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .vocab import Vocab, is_safe_char, vocab_for
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 DEFAULT_MAX_STRING = 64
 MAX_DIGITS = 15

@@ -23,10 +23,11 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from ..engine.request import RequestError
+from ..host_state import CacheSlot
 from .spec import StructuredSpec
 
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 #: JSON is written with ``", "`` and ``": "`` separators and no other whitespace (as ``json.dumps``
 #: writes it and models mostly read it), so a model cannot spend its token budget on blanks.
@@ -76,13 +77,17 @@ def _rebuilt(key: str, spec: str, n_vocab: int, eos: list[int]) -> Tokenizer:
     return _REBUILT[key]
 
 
+#: llguidance's view of the tokenizer, per host
+LLG_TOKENIZER: CacheSlot[Tokenizer] = CacheSlot("llguidance tokenizer")
+
+
 def tokenizer_for(host: Host) -> Tokenizer:
     """The host's :func:`make_tokenizer`, built on first use (about a second) and cached."""
-    cached = host.caches.llg_tokenizer
-    if cached is None:
+    def make() -> Tokenizer:
         size = max(len(host.tokenizer), getattr(host.info, "vocab_size", 0) or 0)
-        cached = host.caches.llg_tokenizer = make_tokenizer(host.tokenizer, host_eos(host), size)
-    return cached
+        return make_tokenizer(host.tokenizer, host_eos(host), size)
+
+    return host.caches.get_or_make(LLG_TOKENIZER, make)
 
 
 def compile_grammar(spec: StructuredSpec) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..host_state import CacheSlot
+
 if TYPE_CHECKING:
-    from ..host import Host
+    from ..host_protocol import Host
 
 
 
@@ -91,12 +93,17 @@ def build_vocab(tokenizer: Any, eos: list[int]) -> Vocab:
     return Vocab(strings, root, [t for _, t in safe], [n for n, _ in safe], quoted, list(eos))
 
 
+#: the builtin grammar engine's view of the tokenizer, per host
+VOCAB: CacheSlot[Vocab] = CacheSlot("grammar vocabulary")
+
+
 def vocab_for(host: Host) -> Vocab:
     """The :class:`Vocab` of the host's tokenizer, built on first use and cached on ``host.caches``."""
-    cached = host.caches.vocab
-    if cached is None:
-        eos = list(host.info.eos_token_ids) if host.info is not None else []
-        if not eos and host.tokenizer.eos_token_id is not None:
-            eos = [host.tokenizer.eos_token_id]
-        cached = host.caches.vocab = build_vocab(host.tokenizer, eos)
-    return cached
+    return host.caches.get_or_make(VOCAB, lambda: _host_vocab(host))
+
+
+def _host_vocab(host: Host) -> Vocab:
+    eos = list(host.info.eos_token_ids) if host.info is not None else []
+    if not eos and host.tokenizer.eos_token_id is not None:
+        eos = [host.tokenizer.eos_token_id]
+    return build_vocab(host.tokenizer, eos)

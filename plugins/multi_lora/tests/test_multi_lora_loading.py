@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from mindie_host.config import config_from_dict
-from mindie_host.engine.process import EngineStartError
+from mindie_host.engine.handle import EngineStartError
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError
 from multi_lora_helpers import lora_config
