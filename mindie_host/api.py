@@ -2,8 +2,8 @@
 
     from mindie_host.api import hookimpl, SchedulingContext, KVCacheManager, StepPlan, ...
 
-It holds the hook marker, the context types, the config types, ``Host``, the engine's request,
-sequence and scheduling types, the KV block-pool protocol and the model-backend contract
+It holds the hook marker, the context types, the config types, ``Host`` (the running host's
+protocol: annotate with it), the engine's request, sequence and scheduling types, the KV block-pool protocol and the model-backend contract
 (``ModelBackend``, ``ModelInput``, ``LinearDeltas``), and nothing backend-specific: backend plugins
 take the torch runner and its building blocks from :mod:`mindie_host.backend_api`.
 """

@@ -78,6 +78,7 @@ def build_config(args: argparse.Namespace) -> Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .host import Host
     from .logs import LoadProgress, setup_logging
+    from .runtime import load_host
     from .server.runner import serve_with_engine_on_main_thread
 
     try:
@@ -89,8 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in config.warnings:
         logging.getLogger("mindie_host.config").warning(warning)
     if config.BackendConfig.multiNodesInferEnabled:  # a node without rank 0 runs only its ranks
-        from .distributed.node import serve_rank_node
         from .distributed.rank_table import RankTableError, load_plan
+        from .runtime.rank_node import serve_rank_node
 
         try:
             plan = load_plan(config.BackendConfig.multiNodesInferPort)
@@ -101,10 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return serve_rank_node(config, plan)
     host = Host(config)
     progress = LoadProgress()
-    original = host.load
-    host.load = lambda progress_cb=None: original(progress)  # type: ignore[method-assign]
     try:
-        serve_with_engine_on_main_thread(host)
+        serve_with_engine_on_main_thread(host, lambda: load_host(host, progress))
     except (PluginError, ConfigError, FileNotFoundError, RuntimeError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)
         return 2

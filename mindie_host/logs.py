@@ -179,3 +179,17 @@ class LoadProgress:
                 sys.stderr.write("\n")
             sys.stderr.flush()
             self.last = pct
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``exit code 3``, ``killed by SIGKILL`` or ``still running``: a child process's end, for a log line."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -10,6 +10,8 @@
 * :class:`RunningServer` starts the real HTTP server on free loopback ports in a
   background thread and stops it again.
 * :class:`ForcedTokens` makes a model write a given text (a tool call, a reasoning block).
+* :func:`load_host` loads a host as the server would, without listeners;
+  :func:`loaded_host` loads one with the engine in this process, for :func:`run_engine`.
 """
 
 from __future__ import annotations
@@ -193,12 +195,13 @@ class RunningServer:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self) -> None:
+        from .runtime import load_host
         from .server.runner import serve
 
         loop = asyncio.new_event_loop()
         self._loop = loop
         try:
-            loop.run_until_complete(serve(self.host, on_ready=self._ready.set))
+            loop.run_until_complete(serve(self.host, load=lambda: load_host(self.host), on_ready=self._ready.set))
         except BaseException as exc:  # reported to the test thread
             self._error = exc
             self._ready.set()
@@ -304,8 +307,17 @@ def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | N
     host = Host(cfg)
     for plugin, name in plugins or []:
         host.plugins.register(plugin, name)
-    host.load()
+    load_host(host)
     return host
+
+
+def load_host(host: Any) -> None:
+    """Load ``host`` (a :class:`~mindie_host.host.Host`) as ``mindie-host serve`` does, without listeners and
+    without starting its engine: plugins enabled and checked, the model in engine processes with
+    ``ServerConfig.engineProcess`` or here. A config or plugin error raises as it does at startup."""
+    from .runtime import load_host as load
+
+    load(host)
 
 
 def run_engine(host: Any, requests: list[Any], *, max_steps: int = 100_000) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from mindie_host.config import Config, config_from_dict, default_config_dict
 from mindie_host.config.support import NO_EFFECT_KEYS, NO_EFFECT_PREFIXES, config_leaves, no_effect, unsupported
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError
+from mindie_host.testing import load_host
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,7 @@ def test_settings_this_host_cannot_honour_are_refused(changes: dict[str, object]
     errors = unsupported(_config(**changes))
     assert any(e.startswith(expected) for e in errors), errors
     with pytest.raises(PluginError, match=re.escape(expected)):
-        Host(_config(**changes)).load()
+        load_host(Host(_config(**changes)))
 
 
 def test_a_second_model_entry_is_refused_naming_it(tmp_path: Path) -> None:
@@ -86,7 +87,7 @@ def test_a_second_model_entry_is_refused_naming_it(tmp_path: Path) -> None:
     models.append(dict(models[0], modelName="second"))
     expected = "BackendConfig.ModelDeployConfig.ModelConfig[1] (modelName 'second'): this server serves one model"
     with pytest.raises(PluginError, match=re.escape(expected)):
-        Host(config_from_dict(data)).load()
+        load_host(Host(config_from_dict(data)))
     (tmp_path / "c.json").write_text(json.dumps(data))
     r = subprocess.run([sys.executable, "-m", "mindie_host.cli", "config", "validate", str(tmp_path / "c.json")],
                        capture_output=True, text=True, timeout=120)

@@ -175,6 +175,7 @@ def _build_host(args: argparse.Namespace) -> Any:
     """Engine mode: a Host from --EngineConfig (or the defaults with --ModelPath/--ModelName), loaded and started."""
     from ..config import config_from_dict, default_config_dict, load_config
     from ..host import Host
+    from ..runtime import load_host
 
     if args.EngineConfig:
         config = load_config(args.EngineConfig)
@@ -188,7 +189,7 @@ def _build_host(args: argparse.Namespace) -> Any:
         model["trustRemoteCode"] = bool(args.TrustRemoteCode)
         config = config_from_dict(data)
     host = Host(config)
-    host.load()
+    load_host(host)
     host.start()
     return host
 

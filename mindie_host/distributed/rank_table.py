@@ -13,7 +13,7 @@ devices, and ``MIES_CONTAINER_IP`` says which node this is::
 The world is every device of every node (``worldSize`` and ``npuDeviceIds`` are then taken from
 here, as in MindIE). The **master** is the node of rank 0: it runs the HTTP front end and rank 0,
 and hosts the rendezvous on ``<master ip>:multiNodesInferPort``. The other nodes run their ranks
-and answer only health probes (:mod:`mindie_host.distributed.node`).
+and answer only health probes (:mod:`mindie_host.runtime.rank_node`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Rank 0 lives where the engine lives (the engine-core process, or the server's pr
 :class:`ParallelBackend`. It wraps rank 0's own backend and, before each call that touches
 the model (``allocate_kv_cache``, ``warmup``, ``execute``, swaps, ``shutdown``), broadcasts
 the call, with its arguments (a step's whole :class:`~mindie_host.backends.base.ModelInput`),
-to the other ranks. Each of them (:func:`rank_main`, one process per rank) builds the same
-backend through the same ``mindie_host_model_backend`` hook and replays the calls in the same
-order; the decoder's collectives then line up rank by rank.
+to the other ranks. Each of them (one process per rank) builds the same backend through the
+same ``mindie_host_model_backend`` hook and replays the calls in the same order; the
+decoder's collectives then line up rank by rank.
 
 Two process groups: the **step group** (``Platform.dist_backend``: gloo on CPU, NCCL on CUDA,
 HCCL on Ascend) carries the decoder's all-reduces with a timeout
@@ -15,32 +15,33 @@ HCCL on Ascend) carries the decoder's all-reduces with a timeout
 rank never hangs a step; the **control group** (gloo, on the CPU) carries the calls, and
 waits as long as the engine is idle.
 
+The other ranks' processes are started by the runtime (:mod:`mindie_host.runtime.rank_main`), through
+the ``make_worker`` callable rank 0 is given.
+
 Faults: a watcher thread waits on the rank processes. When one dies, rank 0 logs which and why
-and the instance fails fast: in the engine-core process, that process exits at once (taking
-the other ranks with it), and the front end's supervisor restarts every rank together; with the
-engine in the server's process, every later step fails and liveness reports the engine dead.
-A rank whose rank 0 is gone sees its control broadcast fail (or its parent change) and exits.
+and the instance fails fast: it calls the ``on_lost`` it was given (the engine-core process exits
+at once, taking the other ranks with it, and the front end's supervisor restarts every rank
+together); without one (the engine in the server's process), every later step fails and liveness
+reports the engine dead. A rank whose rank 0 is gone sees its control broadcast fail (or its
+parent change) and exits.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
+from ..logs import describe_exit
 from .tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     import torch
-
-    from ..config import Config
 
 log = logging.getLogger("mindie_host.distributed")
 
@@ -50,10 +51,6 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_HOST_COLLECTIVE_TIMEOUT_S", 
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
 #: Seconds of idleness after which rank 0 checks that every rank still answers (finds lost ranks of other nodes).
 HEARTBEAT_S = 1.0
-#: Exit code of an engine-core process whose rank died (the supervisor's log shows it).
-RANK_FAILED_EXIT = 70
-#: Set in the engine-core process: a dead rank ends the process so the supervisor restarts every rank.
-EXIT_ON_RANK_FAILURE = False
 
 
 class RankFailedError(RuntimeError):
@@ -75,7 +72,7 @@ def local_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _init_groups(backend: str, address: str, rank: int, world_size: int) -> Any:
+def init_groups(backend: str, address: str, rank: int, world_size: int) -> Any:
     """Join the world (TCP rendezvous at ``address``); returns the control group."""
     import torch.distributed as dist
 
@@ -91,13 +88,15 @@ class ParallelBackend(ModelBackend):
 
     ``local`` maps the ranks of this node (rank 0 among them) to their devices
     (``BackendConfig.npuDeviceIds[0]``, or the rank table's); ranks of other nodes are started
-    there (:mod:`mindie_host.distributed.node`). ``make_worker(rank, device, address, threads)``
+    there (:mod:`mindie_host.runtime.rank_node`). ``make_worker(rank, device, address, threads)``
     makes the process of a local rank ``>= 1``. The local ranks share this process's compute
-    threads evenly.
+    threads evenly. ``on_lost()`` is called once the instance is lost (a rank died, or a collective
+    failed), after the local ranks are stopped; without it later calls raise :class:`RankFailedError`.
     """
 
     def __init__(self, inner: ModelBackend, *, world_size: int, local: dict[int, int],
-                 make_worker: Callable[[int, int, str, int], Any], address: str, dist_backend: str) -> None:
+                 make_worker: Callable[[int, int, str, int], Any], address: str, dist_backend: str,
+                 on_lost: Callable[[], None] | None = None) -> None:
         import torch
 
         self.inner = inner
@@ -108,6 +107,7 @@ class ParallelBackend(ModelBackend):
         self.make_worker = make_worker
         self.address = address
         self.dist_backend = dist_backend
+        self.on_lost = on_lost
         self.workers: list[Any] = []
         self.control: Any = None
         self.failed: str | None = None
@@ -133,7 +133,7 @@ class ParallelBackend(ModelBackend):
             proc.start()
         try:
             self.control = self._while_ranks_live(
-                lambda: _init_groups(self.dist_backend, self.address, 0, self.world_size), "joining the world")
+                lambda: init_groups(self.dist_backend, self.address, 0, self.world_size), "joining the world")
             self.inner.bind_parallel(TensorParallel(0, self.world_size, None, self.local[0]))
             info = self.inner.load()
             self._while_ranks_live(lambda: self._barrier(), "loading their slices")
@@ -168,7 +168,7 @@ class ParallelBackend(ModelBackend):
             dead = [(r, p) for r, p in zip(self.ranks, self.workers) if p.exitcode is not None]
             if dead and thread.is_alive():
                 r, p = dead[0]
-                raise RankFailedError(f"rank {r} exited ({_reason(p.exitcode)}) while the ranks were {doing}")
+                raise RankFailedError(f"rank {r} exited ({describe_exit(p.exitcode)}) while the ranks were {doing}")
         if "error" in result:
             raise result["error"]
         return result.get("value")
@@ -185,12 +185,11 @@ class ParallelBackend(ModelBackend):
             return
         rank, proc = pending[ready[0]]  # type: ignore[index]
         proc.join(1)
-        self.failed = f"rank {rank} of {self.world_size} died ({_reason(proc.exitcode)})"
+        self.failed = f"rank {rank} of {self.world_size} died ({describe_exit(proc.exitcode)})"
         log.error("tensor parallel: %s; the instance stops", self.failed)
-        if EXIT_ON_RANK_FAILURE:  # the engine-core process: the supervisor restarts every rank together
+        if self.on_lost is not None:  # the engine-core process exits: the supervisor restarts every rank together
             self._stop_workers()
-            logging.shutdown()
-            os._exit(RANK_FAILED_EXIT)
+            self.on_lost()
 
     def _heartbeat(self) -> None:
         """While idle, broadcast a no-op every :data:`HEARTBEAT_S`: a rank lost on another node fails it."""
@@ -221,10 +220,9 @@ class ParallelBackend(ModelBackend):
             raise RankFailedError(f"tensor parallel instance is stopping: {why}")
         self.failed = self.failed or why
         log.error("tensor parallel: %s; the instance stops", self.failed)
-        if EXIT_ON_RANK_FAILURE:
+        if self.on_lost is not None:
             self._stop_workers()
-            logging.shutdown()
-            os._exit(RANK_FAILED_EXIT)
+            self.on_lost()
         raise RankFailedError(f"tensor parallel instance is down: {self.failed}")
 
     # -- the backend contract, replayed -----------------------------------------------------------------------
@@ -307,73 +305,3 @@ class ParallelBackend(ModelBackend):
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(5)
-
-
-def _reason(exitcode: int | None) -> str:
-    from ..engine.process import exit_reason
-
-    return exit_reason(exitcode)
-
-
-# -- the other ranks ------------------------------------------------------------------------------------------
-def spawn_rank(config: Config, specs: list[tuple[str, str, bytes]], rank: int, world: int, device: int,
-               address: str, threads: int, joined: Any = None) -> Any:
-    """The (unstarted) process of rank ``rank`` of ``world`` on ``device``, with ``threads`` compute threads;
-    ``joined`` (a multiprocessing Event) is set once it has loaded its slices and met the other ranks."""
-    ctx = multiprocessing.get_context("spawn")
-    return ctx.Process(target=rank_main, name=f"mindie-rank-{rank}", daemon=True,
-                       args=(config, specs, rank, world, device, address, os.getpid(), threads, joined))
-
-
-def rank_main(config: Config, specs: list[tuple[str, str, bytes]], rank: int, world: int, device: int, address: str,
-              parent_pid: int, threads: int, joined: Any = None) -> None:
-    """A rank other than 0: build the same backend with this rank's slices, then replay rank 0's calls."""
-    import torch
-    import torch.distributed as dist
-
-    from ..host import Host
-    from ..logs import setup_logging
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM to the group: rank 0 stops us after the drain
-    setup_logging(config.LogConfig, to_stderr=True)
-    torch.set_num_threads(threads)
-    config.server.engineProcess = False
-    host = Host(config)
-    host.register_specs(specs)
-    host.plugins.enable_from_config(config)
-    backend = host.create_backend()
-    control = _init_groups(backend.platform.dist_backend, address, rank, world)
-    backend.bind_parallel(TensorParallel(rank, world, None, device))
-    backend.load()
-    dist.barrier(group=control)
-    if joined is not None:
-        joined.set()
-    log.info("rank %d of %d loaded (pid %d)", rank, world, os.getpid())
-    while True:
-        box: list[Any] = [None]
-        try:
-            dist.broadcast_object_list(box, src=0, group=control)
-        except Exception as exc:  # rank 0 is gone
-            if os.getppid() != parent_pid or not _parent_alive(parent_pid):
-                log.info("rank %d: rank 0 is gone; exiting", rank)
-            else:
-                log.error("rank %d: lost the control channel (%s); exiting", rank, exc)
-            os._exit(1)
-        name, args = box[0]
-        if name == "stop":
-            break
-        if name != "ping":  # rank 0's heartbeat while idle
-            getattr(backend, name)(*args)
-    backend.shutdown()
-    dist.destroy_process_group()
-    time.sleep(0)
-    os._exit(0)
-
-
-def _parent_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True

@@ -297,7 +297,7 @@ def _extra_families(host: Host, label: str) -> Iterator[Metric]:
         counter.add_metric((label,), float(gate.rejected))
         yield counter
     restarts = getattr(host.engine, "restarts", None)
-    if restarts is not None:  # engineProcess: restarts of the engine process (engine/process.py)
+    if restarts is not None:  # engineProcess: restarts of the engine process (runtime/engine_client.py)
         counter = CounterMetricFamily("mindie_host_engine_restarts", "Restarts of the engine process after it died.",
                                       labels=("model_name",))
         counter.add_metric((label,), float(restarts))

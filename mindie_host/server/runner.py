@@ -133,13 +133,14 @@ def guard(host: Host, app: FastAPI, planes: tuple[str, ...]) -> BusinessGuard:
 KEEP_ALIVE_SECONDS = 75
 
 
-async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] | None = None,
+async def serve(host: Host, *, load: Callable[[], None] | None = None, on_ready: Callable[[], None] | None = None,
                 engine_thread: bool = True, loaded: Any = None) -> None:
     """Run every listener until SIGTERM/SIGINT (or ``host.runtime.stop_event``).
 
+    ``load()`` loads the model (the runtime's ``load_host``) on a worker thread once the listeners are up.
     With ``engine_thread=False`` the engine is not started here: the caller runs
     ``host.engine.run_here()`` once ``on_ready`` fires (see :func:`serve_with_engine_on_main_thread`).
-    With ``load=False`` and a ``loaded`` event, the model is loaded elsewhere and
+    Without ``load`` and with a ``loaded`` event, the model is loaded elsewhere and
     the listeners wait for the event before turning ready.
     """
     host.plugins.enable_from_config(host.config)
@@ -181,8 +182,8 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         scheme = "https" if listener.ssl else "http"
         log.info("listening on %s://%s:%d (%s)", scheme, listener.host, listener.port, ", ".join(listener.planes))
     try:
-        if load:
-            await asyncio.to_thread(host.load)
+        if load is not None:
+            await asyncio.to_thread(load)
         elif loaded is not None:
             await asyncio.to_thread(loaded.wait)
             if host.runtime.load_error is not None:
@@ -210,8 +211,9 @@ async def serve(host: Host, *, load: bool = True, on_ready: Callable[[], None] |
         log.info("stopped")
 
 
-def serve_with_engine_on_main_thread(host: Host) -> None:
-    """``mindie-host serve``: HTTP listeners on a helper thread, the engine stepping on this (main) thread.
+def serve_with_engine_on_main_thread(host: Host, load: Callable[[], None]) -> None:
+    """``mindie-host serve``: HTTP listeners on a helper thread, ``load()`` and then the engine stepping on
+    this (main) thread.
 
     Signals are caught here and forwarded to the serving loop, which drains and
     then stops the engine, ending :meth:`AsyncEngine.run_here`.
@@ -224,7 +226,7 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
 
     def http() -> None:
         try:
-            asyncio.run(serve(host, load=False, loaded=loaded, on_ready=ready.set, engine_thread=False))
+            asyncio.run(serve(host, loaded=loaded, on_ready=ready.set, engine_thread=False))
         except BaseException as exc:  # reported on the main thread
             failure.append(exc)
         finally:
@@ -250,7 +252,7 @@ def serve_with_engine_on_main_thread(host: Host) -> None:
         # Load (and warm up) on this thread too: the thread that first runs OpenMP work keeps the fast
         # thread team, and the engine must step on that thread (bench/PERF.md).
         try:
-            host.load()
+            load()
         except BaseException as exc:
             host.runtime.load_error = exc
         finally:

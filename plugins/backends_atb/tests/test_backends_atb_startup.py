@@ -26,7 +26,7 @@ from mindie_host.backend_api import Platform
 from mindie_host.config import config_from_dict
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError, PluginHost
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 GIB = 1 << 30
 
@@ -59,7 +59,7 @@ def test_backends_atb_without_torch_npu_fails_at_startup_with_install_hint(tiny_
     """Here torch_npu is not installed: Host.load (and the real server) refuse with what is missing and how."""
     host = Host(config_from_dict(_cfg(tiny_path)))
     with pytest.raises(NpuUnavailable) as info:
-        host.load()
+        load_host(host)
     message = str(info.value)
     assert "torch_npu" in message
     assert "pip install mindie-plugin-backends-atb[npu]" in message and "CANN" in message
@@ -97,7 +97,7 @@ def test_backends_atb_config_validation(tiny_path: Path, model: dict[str, Any], 
     cfg = server_config(tiny_path, model={"backendType": "atb", **model}, plugins=plugins)
     host = Host(config_from_dict(cfg))
     with pytest.raises(PluginError, match=needle.replace(".", r"\.")):
-        host.load()
+        load_host(host)
 
 
 def test_backends_atb_valid_config_passes_validation(tiny_path: Path) -> None:
@@ -157,7 +157,7 @@ def test_backends_atb_host_refuses_npu_mem_size_beyond_free(tiny_path: Path) -> 
     host = Host(config)
     host.plugins.register(StandInAtbPlugin(tiny_path, free=1 * GIB, total=2 * GIB), "atb")
     with pytest.raises(KvBudgetError, match="npuMemSize is 2 GiB"):
-        host.load()
+        load_host(host)
     assert host.info is not None and host.info.device == "npu"
 
 

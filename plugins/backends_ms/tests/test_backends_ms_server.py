@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mindie_host.api import ModelInput
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
 NEW = 12
@@ -193,7 +193,7 @@ def test_backends_ms_refuses_unsupported_config_at_startup(
     cfg["BackendConfig"]["npuDeviceIds"] = [list(range(model.get("worldSize", 1)))]  # one device per rank
     host = Host(config_from_dict(cfg))
     with pytest.raises(PluginError, match=needle) as info:
-        host.load()
+        load_host(host)
     assert "backendType 'ms'" in str(info.value)
 
 

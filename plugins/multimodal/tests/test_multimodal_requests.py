@@ -12,7 +12,7 @@ import httpx
 import pytest
 from mm_helpers import data_url, image_png, make_tiny_llava, mm_config
 
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 N = 6
 
@@ -149,7 +149,7 @@ def test_config_is_checked(tmp_path_factory: pytest.TempPathFactory) -> None:
     text_model = make_tiny_llama(tmp_path_factory.mktemp("tiny-text-cfg"))
     bad = mm_config(text_model, plugins={"multimodal": {"allowHttp": "yes", "colour": 1}})
     with pytest.raises(PluginError) as info:
-        Host(config_from_dict(bad)).load()
+        load_host(Host(config_from_dict(bad)))
     msg = str(info.value)
     assert "allowHttp" in msg and "colour" in msg and "not a multimodal model" in msg
     assert json.loads(bad["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"])

@@ -11,7 +11,7 @@ import pytest
 from mindie_host.api import SamplingParams
 from mindie_host.config import config_from_dict
 from mindie_host.host import Host
-from mindie_host.testing import make_tiny_llama, server_config
+from mindie_host.testing import load_host, make_tiny_llama, server_config
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def _host(model: Path, on: bool) -> Host:
     config = config_from_dict(cfg)
     config.server.engineProcess = False  # the test steps host.llm itself
     host = Host(config)
-    host.load()
+    load_host(host)
     return host
 
 

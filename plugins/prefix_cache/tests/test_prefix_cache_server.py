@@ -17,7 +17,7 @@ import pytest
 from mindie_host.config import config_from_dict
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 BLOCK = 16
 ON = {"plugin_params": json.dumps({"plugin_type": "prefix_cache"})}
@@ -133,7 +133,7 @@ def test_chat_multi_turn_reports_cached_tokens(tiny_model: Path) -> None:
 
 def _load_error(cfg: dict[str, Any]) -> str:
     with pytest.raises(PluginError) as info:
-        Host(config_from_dict(cfg)).load()
+        load_host(Host(config_from_dict(cfg)))
     return str(info.value)
 
 

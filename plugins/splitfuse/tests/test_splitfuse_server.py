@@ -18,7 +18,7 @@ from mindie_host import hookimpl
 from mindie_host.config import config_from_dict
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError
-from mindie_host.testing import RunningServer, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 CHUNK = 32
 Output = tuple[str, list[str], list[float]]
@@ -134,7 +134,7 @@ def test_mix_without_split_mixes_whole_prompts(tiny_model: Path, outputs_standar
 
 def _load_error(cfg: dict[str, Any]) -> str:
     with pytest.raises(PluginError) as info:
-        Host(config_from_dict(cfg)).load()
+        load_host(Host(config_from_dict(cfg)))
     return str(info.value)
 
 

@@ -1,7 +1,7 @@
 """A node other than the master in multi-node inference: its ranks, kept joined, and health probes.
 
 ``mindie-host serve`` on such a node (the rank table puts rank 0 elsewhere) loads no tokenizer
-and serves no API: it starts one process per local rank (:func:`~mindie_host.distributed.ranks.rank_main`),
+and serves no API: it starts one process per local rank (:func:`~mindie_host.runtime.rank_main.rank_main`),
 which joins the world through the rendezvous on the master and replays rank 0's calls, and
 answers the health probes on the management address (``/health``, ``/v1/health``,
 ``/v2/health/live``, ``/v2/health/ready``). When its ranks exit (the master's engine died or
@@ -17,11 +17,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .ranks import rank_threads, spawn_rank
+from ..distributed.ranks import rank_threads
+from .rank_main import spawn_rank
 
 if TYPE_CHECKING:
     from ..config import Config
-    from .rank_table import NodePlan
+    from ..distributed.rank_table import NodePlan
 
 log = logging.getLogger("mindie_host.distributed.node")
 
@@ -56,8 +57,13 @@ class RankNode:
         ]
         for p in self.procs:
             p.start()
-        log.info("node %s: ranks %s started; joining the world of %d at %s", self.plan.node_ip,
-                 sorted(self.plan.local), self.plan.world_size, self.plan.address)
+        log.info(
+            "node %s: ranks %s started; joining the world of %d at %s",
+            self.plan.node_ip,
+            sorted(self.plan.local),
+            self.plan.world_size,
+            self.plan.address,
+        )
 
     def supervise(self) -> None:
         """Restart this node's ranks whenever one exits, until :meth:`stop`."""
@@ -68,8 +74,12 @@ class RankNode:
             dead = [p for p in self.procs if p.exitcode is not None]
             if not dead or self.stopping.is_set():
                 continue
-            log.warning("node %s: rank process %d exited (exit code %s); restarting this node's ranks",
-                        self.plan.node_ip, dead[0].pid, dead[0].exitcode)
+            log.warning(
+                "node %s: rank process %d exited (exit code %s); restarting this node's ranks",
+                self.plan.node_ip,
+                dead[0].pid,
+                dead[0].exitcode,
+            )
             self._end()
             time.sleep(RESTART_DELAY_S)
             if not self.stopping.is_set():
@@ -102,14 +112,27 @@ def health_app(node: RankNode) -> Any:
         return JSONResponse({"error": "this node's ranks are joining the world"}, status_code=503)
 
     async def info(_: Any) -> Any:
-        return JSONResponse({"role": "rank node", "node": node.plan.node_ip, "master": node.plan.master_ip,
-                             "ranks": sorted(node.plan.local), "world_size": node.plan.world_size,
-                             "ready": node.ready, "restarts": node.restarts})
+        return JSONResponse(
+            {
+                "role": "rank node",
+                "node": node.plan.node_ip,
+                "master": node.plan.master_ip,
+                "ranks": sorted(node.plan.local),
+                "world_size": node.plan.world_size,
+                "ready": node.ready,
+                "restarts": node.restarts,
+            }
+        )
 
-    return Starlette(routes=[
-        Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/health", ready),
-        Route("/v1/health", ready), Route("/v1/node", info),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v2/health/live", live),
+            Route("/v2/health/ready", ready),
+            Route("/health", ready),
+            Route("/v1/health", ready),
+            Route("/v1/node", info),
+        ]
+    )
 
 
 def serve_rank_node(config: Config, plan: NodePlan) -> int:
@@ -121,8 +144,9 @@ def serve_rank_node(config: Config, plan: NodePlan) -> int:
     supervisor = threading.Thread(target=node.supervise, name="mindie-rank-node", daemon=True)
     supervisor.start()
     srv = config.server
-    server = uvicorn.Server(uvicorn.Config(health_app(node), host=srv.managementIpAddress, port=srv.managementPort,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(health_app(node), host=srv.managementIpAddress, port=srv.managementPort, log_level="warning")
+    )
     try:
         server.run()  # until SIGTERM or Ctrl-C (uvicorn's handlers)
     finally:

@@ -1,26 +1,20 @@
-"""The engine core in its own process (``ServerConfig.engineProcess: true``), supervised by the front end.
+"""The front end's client of an engine-core process, and its supervisor.
 
-Two processes:
+``host.engine`` in the front end (``ServerConfig.engineProcess: true``) is an
+:class:`EngineProcessClient`: the same asyncio interface as
+:class:`~mindie_host.engine.async_engine.AsyncEngine` (``generate``, ``abort``, ``abort_all``,
+``num_active``, ``dead``; each step's outputs go to ``mindie_host_step_outputs``), whose inbox is a
+ZeroMQ socket. It starts the engine process (:func:`~.engine_main.engine_core_main`, with
+multiprocessing's ``spawn``) and talks to it over two PUSH/PULL pipes on ``ipc://`` sockets with
+msgpack frames (:mod:`mindie_host.engine.ipc`; bench/ipc_bench.py measured the choice). Outputs come
+back once per step, with the engine statistics.
 
-* the **front end** (the HTTP server) parses, tokenizes and renders; its ``host.engine``
-  is an :class:`EngineProcessClient`, which has the same asyncio interface as
-  :class:`~mindie_host.engine.async_engine.AsyncEngine` (``generate``, ``abort``,
-  ``abort_all``, ``num_active``, ``dead``; each step's outputs go to ``mindie_host_step_outputs``);
-* the **engine core** (:func:`engine_core_main`, started with multiprocessing's ``spawn``)
-  builds a full :class:`~mindie_host.host.Host` from the same config and plugins (backend,
-  KV manager, scheduler) and steps its :class:`~mindie_host.engine.core.LLMEngine` on its
-  main thread.
-
-They talk over two ZeroMQ PUSH/PULL pipes on ``ipc://`` sockets with msgpack frames
-(:mod:`mindie_host.engine.ipc`; bench/ipc_bench.py measured the choice). Outputs come back
-once per step, with the engine statistics.
-
-Supervision: a monitor thread in the front end polls the output socket and the child's
-process sentinel. When the child dies, readiness turns 503 at once, every request in flight
-ends with an error output, and the engine is restarted with the same config after
-``engineRestartBackoffSeconds * 2**n`` seconds, at most ``engineRestartMaxRetries`` times
-in a row (a child that has served for :data:`HEALTHY_SECONDS` resets the count). When the
-budget is spent, :attr:`dead` is set and liveness fails.
+Supervision: a monitor thread polls the output socket and the child's process sentinel. When the
+child dies, readiness turns 503 at once, every request in flight ends with an error output, and
+the engine is restarted with the same config after ``engineRestartBackoffSeconds * 2**n`` seconds,
+at most ``engineRestartMaxRetries`` times in a row (a child that has served for
+:data:`HEALTHY_SECONDS` resets the count). When the budget is spent, :attr:`dead` is set and
+liveness fails.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -42,16 +35,19 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from . import ipc
-from .async_engine import AsyncEngine
-from .commands import CommandRefused, answer, run_command, settle
-from .handle import EngineStartError
-from .request import RequestError, RequestOutput, failed_output
+from ..engine import ipc
+from ..engine.async_engine import AsyncEngine
+from ..engine.commands import CommandRefused, answer, settle
+from ..engine.handle import EngineStartError
+from ..engine.request import RequestError, RequestOutput, failed_output
+from ..host import Host
+from .engine_main import engine_core_main
+from .exits import exit_reason
+from .plugin_transport import plugin_specs
 
 if TYPE_CHECKING:
     from ..backends.base import ModelInfo
     from ..config import Config
-    from ..host import Host
 
 log = logging.getLogger("mindie_host.engine.process")
 
@@ -63,138 +59,12 @@ _RESULT = ipc.RESULT.encode()
 STOP_SECONDS = 10.0
 
 
-#: Hooks the engine process calls; every other hook is called in the front end (docs/architecture.md).
-ENGINE_HOOKS = frozenset({
-    "mindie_host_model_backend", "mindie_host_backend_types", "mindie_host_kv_cache_manager",
-    "mindie_host_order_waiting", "mindie_host_filter_waiting", "mindie_host_plan_step",
-    "mindie_host_preemption_victim", "mindie_host_linear_deltas", "mindie_host_request_arrived",
-    "mindie_host_request_finished", "mindie_host_engine_command", "mindie_host_kv_connector",
-    "mindie_host_model_architectures", "mindie_host_propose_drafts", "mindie_host_drafts_accepted",
-})
-
-
-def exit_reason(exitcode: int | None) -> str:
-    """``exit code 3`` or ``killed by SIGKILL`` for a child's exit code."""
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    from ..distributed.ranks import RANK_FAILED_EXIT
-
-    if exitcode == RANK_FAILED_EXIT:
-        return f"exit code {exitcode}: one of its tensor-parallel ranks died"
-    return f"exit code {exitcode}"
-
-
-def plugin_specs(host: Host) -> list[tuple[str, str, bytes]]:
-    """The plugins registered on ``host`` by object (not by config), in a form the child can rebuild.
-
-    Modules travel by name; other objects are pickled. Builtins and config-enabled
-    plugins are re-enabled by the child itself.
-    """
-    specs: list[tuple[str, str, bytes]] = []
-    for name, plugin in host.plugins.pm.list_name_plugin():
-        if name.startswith("builtin:") or plugin is None:
-            continue
-        if isinstance(plugin, type(os)):
-            specs.append((name, "module", plugin.__name__.encode()))
-            continue
-        try:
-            specs.append((name, "pickle", pickle.dumps(plugin)))
-        except Exception as exc:
-            hooks = {caller.name for caller in host.plugins.pm.get_hookcallers(plugin) or []}
-            if hooks & ENGINE_HOOKS:
-                raise EngineStartError(
-                    f"plugin {name!r} implements engine hooks ({', '.join(sorted(hooks & ENGINE_HOOKS))}) but "
-                    f"cannot be sent to the engine process ({exc}); register it as a module or set "
-                    "ServerConfig.engineProcess to false"
-                ) from exc
-            log.info("plugin %r has no engine hooks and cannot be pickled: it runs in the front end only", name)
-    return specs
-
-
-def limit_front_end_threads() -> int:
-    """Keep the front end's torch work on one thread, so it never competes with the engine's cores.
-
-    Returns the previous thread count. The engine process is spawned with the environment
-    unchanged, so it keeps every core.
-    """
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    return previous
-
-
-def load_front_end(host: Host, show_progress: bool = False) -> None:
-    """``Host.load`` in engine-process mode: tokenizer here, model in the engine process.
-
-    ``show_progress``: the engine process draws the loading bar on the shared stderr (one instance only).
-    """
-    from ..models.default import default_model_path
-    from ..models.weights import resolve_model
-    from ..tokenizer import load_tokenizer
-
-    mc = host.model_config
-    source = resolve_model(mc.modelWeightPath or str(default_model_path()))
-    host.tokenizer = load_tokenizer(source, trust_remote_code=mc.trustRemoteCode)
-    count = host.config.BackendConfig.modelInstanceNumber
-    if count == 1:
-        client: Any = EngineProcessClient(host, show_progress=show_progress)
-        try:
-            host.info = client.launch()
-        except BaseException:
-            client.stop()  # its sockets and socket directory
-            raise
-    else:  # one engine process per device group, balanced by requests in flight
-        from ..distributed.ranks import rank_threads
-        from .instances import EngineInstances
-
-        threads = rank_threads(count)
-        clients = [EngineProcessClient(host, instance_config(host.config, i), threads) for i in range(count)]
-        infos = []
-        try:
-            for i, c in enumerate(clients):
-                infos.append(c.launch())
-                log.info("model instance %d of %d ready on devices %s", i + 1, count,
-                         host.config.BackendConfig.npuDeviceIds[i])
-        except BaseException:
-            for c in clients:
-                c.stop()
-            raise
-        host.info = infos[0]
-        client = EngineInstances(host, clients)
-    host.engine = client
-    host.runtime.front_end_threads_before = limit_front_end_threads()
-    try:
-        host.plugins.hook.mindie_host_startup(host=host)
-    except Exception as exc:
-        client.stop()
-        raise EngineStartError(
-            f"a plugin failed to start in the front end ({type(exc).__name__}: {exc}); plugins that share "
-            "objects between request parsing and the model backend need ServerConfig.engineProcess false"
-        ) from exc
-    client.start()
-
-
-def instance_config(config: Config, index: int) -> Config:
-    """The config of model instance ``index``: device group ``npuDeviceIds[index]``, one instance."""
-    import copy
-
-    own = copy.deepcopy(config)
-    own.BackendConfig.npuDeviceIds = [list(config.BackendConfig.npuDeviceIds[index])]
-    own.BackendConfig.modelInstanceNumber = 1
-    return own
-
-
 class EngineProcessClient(AsyncEngine):
     """The front end's handle on the engine-core process: same asyncio interface as :class:`AsyncEngine`."""
 
-    def __init__(self, host: Host, config: Config | None = None, threads: int | None = None,
-                 show_progress: bool = False) -> None:
+    def __init__(
+        self, host: Host, config: Config | None = None, threads: int | None = None, show_progress: bool = False
+    ) -> None:
         super().__init__(None, plugins=host.plugins)  # type: ignore[arg-type]
         self.host = host
         #: the config the engine process loads (an instance's own device group with modelInstanceNumber > 1)
@@ -205,7 +75,7 @@ class EngineProcessClient(AsyncEngine):
         self.show_progress = show_progress
         #: told when this engine goes down (False) or is back (True); sets the host's readiness by default
         self.report_ready: Callable[[bool], None] = self._set_host_ready
-        self.specs = plugin_specs(host)
+        self.specs = plugin_specs(host.plugins)
         self.restarts = 0
         self.engine_stats: dict[str, float] = {}
         #: the metrics of the plugins that live in the engine process (a prefix cache's hit rate), from its last step
@@ -241,9 +111,18 @@ class EngineProcessClient(AsyncEngine):
         push.bind(f"ipc://{base}-in")
         pull.bind(f"ipc://{base}-out")
         proc = self._spawn.Process(
-            target=engine_core_main, name="mindie-engine-core", daemon=True,
-            args=(self.config, self.specs, f"ipc://{base}-in", f"ipc://{base}-out", os.getpid(), self.threads,
-                  self.show_progress),
+            target=engine_core_main,
+            name="mindie-engine-core",
+            daemon=True,
+            args=(
+                self.config,
+                self.specs,
+                f"ipc://{base}-in",
+                f"ipc://{base}-out",
+                os.getpid(),
+                self.threads,
+                self.show_progress,
+            ),
         )
         proc.start()
         try:
@@ -427,15 +306,22 @@ class EngineProcessClient(AsyncEngine):
         while not self._stopping:
             attempts = self._attempts
             if attempts >= cfg.engineRestartMaxRetries:
-                self.dead = (f"the engine process died ({why}) after {attempts} restarts in a row; "
-                             f"engineRestartMaxRetries is {cfg.engineRestartMaxRetries}")
+                self.dead = (
+                    f"the engine process died ({why}) after {attempts} restarts in a row; "
+                    f"engineRestartMaxRetries is {cfg.engineRestartMaxRetries}"
+                )
                 log.error("%s; liveness now fails", self.dead)
                 self.restarting = None
                 return
             self._attempts = attempts + 1
-            delay = cfg.engineRestartBackoffSeconds * (2 ** attempts)
-            log.warning("restarting the engine process in %g s (restart %d of at most %d in a row; reason: %s)",
-                        delay, attempts + 1, cfg.engineRestartMaxRetries, why)
+            delay = cfg.engineRestartBackoffSeconds * (2**attempts)
+            log.warning(
+                "restarting the engine process in %g s (restart %d of at most %d in a row; reason: %s)",
+                delay,
+                attempts + 1,
+                cfg.engineRestartMaxRetries,
+                why,
+            )
             time.sleep(delay)
             if self._stopping:
                 return
@@ -496,109 +382,3 @@ def _reap(proc: Any, timeout: float = 0.0) -> None:
     if proc.exitcode is None:
         proc.kill()
         proc.join(5)
-
-
-
-# -- the engine-core process ------------------------------------------------------------------------
-def engine_core_main(config: Config, specs: list[tuple[str, str, bytes]], in_addr: str, out_addr: str,
-                     parent_pid: int, threads: int | None = None, show_progress: bool = False) -> None:
-    """Entry point of the engine process: load the model as the server would, then serve steps."""
-    from ..distributed import ranks
-    from ..host import Host
-    from ..logs import LoadProgress, setup_logging
-
-    # Ctrl-C, and a SIGTERM sent to the whole process group (`kill -TERM -- -PGID`, a terminal's hang-up), reach
-    # this process too: it keeps serving while the front end drains, and stops when the front end says so (or dies)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # this process starts the tensor-parallel ranks (worldSize > 1); it stops them itself, and they exit
-    # when it disappears (distributed/ranks.py), so multiprocessing's rule against children of daemons is lifted
-    multiprocessing.current_process().daemon = False
-    setup_logging(config.LogConfig, to_stderr=True)
-    if threads:  # one of several instances: its share of the cores
-        import torch
-
-        torch.set_num_threads(threads)
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    push = ctx.socket(zmq.PUSH)
-    pull.connect(in_addr)
-    push.connect(out_addr)
-    try:
-        config.server.engineProcess = False  # this process is the engine
-        ranks.EXIT_ON_RANK_FAILURE = True  # a dead tensor-parallel rank ends this process: all ranks restart
-        host = Host(config)
-        host.register_specs(specs)
-        host.load(LoadProgress() if show_progress else None)
-    except BaseException as exc:
-        log.exception("engine process failed to load")
-        try:  # the error itself, so startup fails with the same exception as with the engine in-process
-            blob = pickle.dumps(exc)
-        except Exception:  # the front end falls back to the message (as it does when unpickling fails)
-            blob = b""
-        push.send_multipart([*ipc.encode(ipc.FAILED, f"{type(exc).__name__}: {exc}"), blob])
-        push.close(linger=2000)
-        ctx.term()
-        raise SystemExit(3) from None
-    push.send_multipart([ipc.READY.encode(), pickle.dumps((host.info, host.stats()))])
-    try:
-        _serve_steps(host, pull, push, parent_pid)
-    finally:
-        host.shutdown()
-        push.close(linger=1000)
-        pull.close(linger=0)
-        ctx.term()
-        log.info("engine process stopped")
-        logging.shutdown()
-        os._exit(0)  # no waiting on helper threads that libraries leave running: the work is done
-
-
-def _serve_steps(host: Host, pull: zmq.Socket[bytes], push: zmq.Socket[bytes], parent_pid: int) -> None:
-    llm = host.llm
-    assert llm is not None
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
-    while True:
-        outputs: list[RequestOutput] = []
-        if poller.poll(0 if llm.has_work() else 500):
-            while True:
-                try:
-                    frames = pull.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                kind = frames[0].decode()
-                if kind == ipc.ADD:
-                    try:
-                        request = ipc.decode_request(frames)
-                    except Exception:  # its opaque fields did not unpickle here: that request fails, alone
-                        log.exception("a request could not be decoded in the engine process")
-                        outputs.append(failed_output(ipc.decode_plain_request(frames),
-                                                     "the request could not be handed to the engine"))
-                        continue
-                    try:
-                        llm.add_request(request)
-                    except Exception as exc:
-                        outputs.append(failed_output(request, exc))
-                elif kind == ipc.ABORT:
-                    out = llm.abort(ipc.decode(frames[1]))
-                    if out is not None:
-                        outputs.append(out)
-                elif kind == ipc.COMMAND:
-                    ident, (target, command, args) = ipc.decode_blob(frames)
-                    result = run_command(host.plugins, target, command, args)
-                    push.send_multipart(ipc.encode_blob(ipc.RESULT, ident, result))
-                elif kind == ipc.SHUTDOWN:
-                    return
-        if os.getppid() != parent_pid:  # checked every step: an orphan must not go on computing for nobody
-            log.error("the front end is gone; the engine process exits")
-            return
-        if llm.has_work():
-            try:
-                outputs.extend(llm.step())
-            except Exception:
-                log.exception("engine step failed; ending the requests it was serving")
-                outputs.extend(llm.fail_active("generation failed in an engine step; the server log has the details"))
-        if outputs or llm.stats_dirty:
-            llm.stats_dirty = False
-            # engine statistics, and apart the metrics of plugins that live here (a KV manager's hit rate)
-            push.send_multipart(ipc.encode(ipc.OUTPUTS, outputs, llm.stats(), host.plugin_metrics()), copy=False)

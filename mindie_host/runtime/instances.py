@@ -2,7 +2,7 @@
 
 Each instance is an engine-core process (with its tensor-parallel ranks when ``worldSize`` > 1)
 on its own device group, ``BackendConfig.npuDeviceIds[i]``, supervised on its own by an
-:class:`~mindie_host.engine.process.EngineProcessClient`. :class:`EngineInstances` gives the
+:class:`~mindie_host.runtime.engine_client.EngineProcessClient`. :class:`EngineInstances` gives the
 protocol modules the same interface as one engine and sends each new request to the live
 instance with the fewest requests in flight (ties: the lowest index). The server is ready while
 at least one instance is; an instance that dies fails only its own requests and restarts alone.
@@ -15,11 +15,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from .request import EngineRequest, RequestError, RequestOutput
+from ..engine.request import EngineRequest, RequestError, RequestOutput
 
 if TYPE_CHECKING:
-    from ..host_protocol import Host
-    from .process import EngineProcessClient
+    from ..host import Host
+    from .engine_client import EngineProcessClient
 
 log = logging.getLogger("mindie_host.engine.instances")
 
