@@ -12,8 +12,9 @@ from mindie_host.testing import RunningServer, make_tiny_llama, server_config
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama in HF format with the SmolLM2 tokenizer."""
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    """A 2-layer random Llama in HF format with the SmolLM2 tokenizer (one copy per session, shared with the
+    plugins' tests that use the same model: ``plugins/*/tests/conftest.py``)."""
+    return make_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama-shared")
 
 
 @pytest.fixture(scope="session")

@@ -11,4 +11,5 @@ from mindie_host.testing import make_tiny_llama
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-llma"))
+    """The suite's tiny model (tests/conftest.py): built once per session whichever asks first."""
+    return make_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama-shared")

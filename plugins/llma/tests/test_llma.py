@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import mindie_plugin_llma
 import pytest
 from mindie_plugin_llma import NgramIndex
 
@@ -50,29 +51,33 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hosts(tiny_model: Path) -> tuple[Any, Any]:
-    off = loaded_host(server_config(tiny_model))
-    on = loaded_host(server_config(tiny_model, model={"plugin_params": '{"plugin_type": "llma"}'},
-                                   plugins={"llma": {"numSpeculativeTokens": 5, "minNgram": 1}}))
-    return off, on
+def host(tiny_model: Path) -> Any:
+    """The tiny model; the test registers the plugin, with k=5 and matches of one token on."""
+    host = loaded_host(server_config(tiny_model))
+    host.config.Plugins["llma"] = {"numSpeculativeTokens": 5, "minNgram": 1}
+    return host
 
 
-def test_greedy_output_is_identical_with_lookup_drafts(hosts: tuple[Any, Any]) -> None:
-    off, on = hosts
-
-    def reqs(host: Any) -> list[EngineRequest]:
+def test_greedy_output_is_identical_with_lookup_drafts(host: Any) -> None:
+    def reqs() -> list[EngineRequest]:
         return [EngineRequest(f"q{i}", host.tokenizer.encode(p), SamplingParams(max_tokens=24, ignore_eos=True))
                 for i, p in enumerate(PROMPTS)]
 
-    want = run_engine(off, reqs(off))
-    got = run_engine(on, reqs(on))
-    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
-    stats = on.llm.stats()
-    assert stats["spec_draft_tokens"] > 0  # (a random model rarely copies: acceptance is tests/test_speculation.py's)
-    assert on.plugins.state("llma").indexes == {}  # released with the requests
-    # a request that opts out gets no drafts
-    before = on.llm.stats()["spec_draft_tokens"]
-    req = reqs(on)[2]
-    req.extensions["speculative_decoding"] = False
-    assert run_engine(on, [req])["q2"].token_ids == want["q2"].token_ids
-    assert on.llm.stats()["spec_draft_tokens"] == before
+    want = run_engine(host, reqs())
+    host.plugins.register(mindie_plugin_llma, "llma")
+    try:
+        got = run_engine(host, reqs())
+        assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+        stats = host.llm.stats()
+        assert stats["spec_draft_tokens"] > 0  # (a random model rarely copies: acceptance is tests/test_speculation.py's)
+        state = host.plugins.state("llma")
+        assert state.indexes == {} and state.k == {}  # released with the requests
+        # a request that opts out gets no drafts
+        before = host.llm.stats()["spec_draft_tokens"]
+        req = reqs()[2]
+        req.extensions["speculative_decoding"] = False
+        assert run_engine(host, [req])["q2"].token_ids == want["q2"].token_ids
+        assert host.llm.stats()["spec_draft_tokens"] == before
+    finally:
+        host.plugins.pm.unregister(mindie_plugin_llma)
+        host.plugins.enabled.remove("llma")
