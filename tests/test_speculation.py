@@ -285,3 +285,20 @@ def test_speculator_refuses_malformed_drafts(host: Any) -> None:
     assert len(got["m0"].token_ids) == 5
     assert host.llm.counters["spec_proposer_errors"] > before
     assert spec.active() is False
+
+
+def test_constrained_requests_are_not_offered(host: Any) -> None:
+    """A request with a logits constraint (structured outputs: its grammar state only moves forward) decodes
+    without drafts beside one that takes them."""
+    offered: set[str] = set()
+
+    class Recorder:
+        @hookimpl
+        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+            offered.update(s.request_id for s in seqs)
+            return [Drafts([1, 2]) for _ in seqs]
+
+    reqs = requests(host, "g", max_tokens=6)[:2]
+    reqs[0].logits_constraint = lambda ids: None
+    got = with_proposer(host, Recorder(), reqs)
+    assert offered == {"g1"} and all(len(o.token_ids) == 6 for o in got.values())

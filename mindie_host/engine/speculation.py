@@ -21,8 +21,8 @@ always makes at least one. Logprobs are the target's. The KV of rejected drafts 
 freed, and a prefix cache keys only blocks of accepted tokens); the proposer hears what was
 accepted (``mindie_host_drafts_accepted``) so it can roll its own state back.
 
-Sequences with a logits constraint (structured outputs), a backend payload (images) or no budget
-left for a draft are not offered: they decode one token a step as before.
+Sequences with a logits constraint (structured outputs), a backend payload (images), a KV export (a PD
+prefill instance) or no budget left for a draft are not offered: they decode one token a step as before.
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ class Speculator:
         if n != 1 or seq.num_computed + 1 != seq.num_tokens or req.logits_constraint is not None:
             return 0
         if req.payload is not None:
+            return 0
+        if req.kv_transfer is not None and req.kv_transfer.direction == "export":  # P hands over after one token
             return 0
         return max(0, seq.max_new_tokens - seq.num_output_tokens - 1)
 
