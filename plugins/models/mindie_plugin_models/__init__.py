@@ -14,7 +14,7 @@ from __future__ import annotations
 from mindie_host.api import hookimpl
 from mindie_host.backend_api import Architecture
 
-from .deepseek import DEEPSEEK_V3
+from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gemma3 import GEMMA3
 from .glm import GLM, GLM4
 from .moe import MIXTRAL, QWEN3_MOE
@@ -22,10 +22,10 @@ from .phi3 import PHI3
 from .qwen3 import QWEN3
 
 #: every family of this plugin
-FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)
+FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V2)
 
 
 @hookimpl
 def mindie_host_model_architectures() -> list[Architecture]:
-    """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and DeepSeek-V3."""
+    """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and DeepSeek-V3 / V2."""
     return list(FAMILIES)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and R1, which is V3's shape): multi-head latent attention over a latent KV cache, and a mixture of
+"""DeepSeek-V3 (and R1, which is V3's shape) and DeepSeek-V2 (V2-Lite): multi-head latent attention over a latent KV cache, and a mixture of
 shared plus routed experts with sigmoid, group-limited routing.
 
 Attention (MLA): each token's keys and values are compressed into one latent of ``kv_lora_rank`` values (normed),
@@ -169,6 +169,30 @@ class GroupLimitedRouter:
         return weights * self.scaling, chosen
 
 
+class SoftmaxGroupRouter:
+    """DeepSeek-V2's routing: softmax scores; ``greedy`` keeps the ``top_k`` best, ``group_limited_greedy`` the
+    ``top_k`` best within the ``topk_group`` groups whose best expert scores highest; weights times ``scaling``, not
+    renormalized (as transformers' DeepseekV2, whatever ``norm_topk_prob`` says)."""
+
+    def __init__(self, weight: torch.Tensor, *, top_k: int, groups: int, top_groups: int, grouped: bool,
+                 scaling: float) -> None:
+        self.weight = weight.float()
+        self.top_k, self.groups, self.top_groups, self.grouped, self.scaling = top_k, groups, top_groups, grouped, scaling
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``(weights [T, top_k] float32, experts [T, top_k])``."""
+        scores = F.linear(h.float(), self.weight).softmax(dim=-1, dtype=torch.float32)
+        if self.grouped:
+            n, experts = scores.shape
+            group_scores = scores.view(n, self.groups, experts // self.groups).max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=self.top_groups, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            keep = group_mask.unsqueeze(-1).expand(n, self.groups, experts // self.groups).reshape(n, experts)
+            scores = scores.masked_fill(~keep.bool(), 0.0)
+        weights, chosen = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.scaling, chosen
+
+
 class SharedAndRouted:
     """The routed experts' output plus the shared experts'."""
 
@@ -260,6 +284,19 @@ class DeepseekV3Family(Architecture):
         return [] if size % world_size == 0 else [
             f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
 
+    def router(self, prefix: str, arch: ModelArch, weights: Any) -> Any:
+        """Layer ``prefix``'s :class:`GroupLimitedRouter`."""
+        o = arch.options
+        return GroupLimitedRouter(
+            weights.tensor(prefix + "mlp.gate.weight"),
+            weights.tensor(prefix + "mlp.gate.e_score_correction_bias"),
+            top_k=o["top_k"],
+            groups=o["groups"],
+            top_groups=o["top_groups"],
+            renormalize=o["renormalize"],
+            scaling=o["routed_scaling"],
+        )
+
     def build_layer(self, index: int, arch: ModelArch, weights: Any) -> DecoderLayer:
         """:class:`LatentAttention` with a dense MLP (the first layers) or shared plus routed experts."""
         o, p = arch.options, f"model.layers.{index}."
@@ -286,15 +323,7 @@ class DeepseekV3Family(Architecture):
         if index < o["first_dense"]:
             mlp: Any = dense_mlp(arch, index, weights)
         else:
-            router = GroupLimitedRouter(
-                weights.tensor(p + "mlp.gate.weight"),
-                weights.tensor(p + "mlp.gate.e_score_correction_bias"),
-                top_k=o["top_k"],
-                groups=o["groups"],
-                top_groups=o["top_groups"],
-                renormalize=o["renormalize"],
-                scaling=o["routed_scaling"],
-            )
+            router = self.router(p, arch, weights)
             gate_up, down = stacked_experts(weights, p + "mlp.experts.", o["num_experts"])
             mlp = SparseMoE(router=router, gate_up=gate_up, down=down)
             if o["shared_experts"]:
@@ -310,4 +339,29 @@ class DeepseekV3Family(Architecture):
         )
 
 
+class DeepseekV2Family(DeepseekV3Family):
+    """``DeepseekV2ForCausalLM`` checkpoints (DeepSeek-V2, V2-Lite): V3's latent attention (rotary pairs always
+    interleaved) with softmax routing (:class:`SoftmaxGroupRouter`, ``topk_method`` greedy or group-limited)."""
+
+    name = "deepseek_v2"
+    model_types = ("deepseek_v2",)
+
+    def read_config(self, cfg: dict[str, Any], directory: Any = None) -> ModelArch:
+        """V3's reading; the rotary pairs interleaved; ``topk_method`` ``greedy`` or ``group_limited_greedy``."""
+        arch = super().read_config(cfg, directory)
+        method = cfg.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(f"config.json: topk_method {method!r} is not served (allowed: greedy, "
+                                 "group_limited_greedy)")
+        arch.options.update(interleave=True, grouped=method == "group_limited_greedy")
+        return arch
+
+    def router(self, prefix: str, arch: ModelArch, weights: Any) -> Any:
+        """Layer ``prefix``'s :class:`SoftmaxGroupRouter`."""
+        o = arch.options
+        return SoftmaxGroupRouter(weights.tensor(prefix + "mlp.gate.weight"), top_k=o["top_k"], groups=o["groups"],
+                                  top_groups=o["top_groups"], grouped=o["grouped"], scaling=o["routed_scaling"])
+
+
 DEEPSEEK_V3 = DeepseekV3Family()
+DEEPSEEK_V2 = DeepseekV2Family()

@@ -46,6 +46,26 @@ class Spec:
         return getattr(transformers, self.config), getattr(transformers, self.model)
 
 
+#: what DeepSeek-V3's and V2's tiny configs share: MLA's ranks and head parts, 8 experts in 4 groups (2 kept, 2
+#: routed), the first layer dense
+DEEPSEEK = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+}
 SPECS: dict[str, Spec] = {
     "qwen3": Spec(
         "Qwen3Config",
@@ -122,24 +142,9 @@ SPECS: dict[str, Spec] = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         {
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "moe_intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
+            **DEEPSEEK,
             "q_lora_rank": 64,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_group": 4,
-            "topk_group": 2,
             "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "max_position_embeddings": 256,
             "rope_parameters": {
                 "rope_type": "yarn",
                 "rope_theta": 10_000.0,
@@ -150,6 +155,17 @@ SPECS: dict[str, Spec] = {
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
             },
+        },
+    ),
+    "deepseek_v2": Spec(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {
+            **DEEPSEEK,
+            "q_lora_rank": None,
+            "topk_method": "group_limited_greedy",
+            "routed_scaling_factor": 1.5,
+            "n_shared_experts": 2,
         },
     ),
     "phi3": Spec(
@@ -173,7 +189,7 @@ SPECS: dict[str, Spec] = {
 
 
 #: the families of this plugin with layers of their own (``gemma3`` is ``gemma3_text``'s behind a multimodal checkpoint)
-PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"]
+PLUGIN_FAMILIES = ["qwen3", "glm", "glm4", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 #: the families whose every MLP product the int8 weight schemes serve (a mixture keeps its experts in float)
 DENSE_FAMILIES = PLUGIN_FAMILIES[:5]
 
