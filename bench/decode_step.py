@@ -15,6 +15,14 @@ for each batch size; ``--profile B`` prints torch.profiler's operator table for 
 
 ``--mixed-chunk N`` times mixed steps instead, as chunked prefill (splitfuse) builds them under load: the
 ``B`` decodes plus an N-token prompt chunk of another sequence that already has N tokens cached.
+
+``--family NAME`` times a random model of that family (``llama``, ``qwen2``, ``qwen3``, ``glm``, ``glm4``,
+``gemma3_text``, ``phi3``, ``qwen3_moe``: 8 experts with 2 routed, as many active MLP parameters as the dense
+families) at the default model's shape instead (hidden 576, 30 layers, 9 heads of 64, 3 KV heads,
+MLP 1536, its tokenizer), built with transformers' own classes into ``--family-dir`` on first use; its weights
+are float32, so compare families with ``--quantization none`` (bench/family_speed.py alternates them).
+
+    python bench/decode_step.py --family qwen3 --quantization none --batches 1,16 --context 600
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +72,38 @@ def mixed_batch(contexts: list[int], chunk: int, block_size: int, blocks_per_seq
                       prompt_lens=[2 * chunk + 1] + [c // 2 for c in contexts])
 
 
+#: the default model's shape (SmolLM2-135M)
+SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+         "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192}
+#: each family: transformers' config and model classes, and what its config sets beyond the shape
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 512, "query_pre_attn_scalar": 64}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # 8 experts of 768 channels, 2 routed: the active MLP parameters of qwen3's one 1536-channel MLP
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768, "norm_topk_prob": True}),
+}
+
+
+def family_model(name: str, root: Path) -> Path:
+    """A random model of family ``name`` at :data:`SHAPE`, with the default model's tokenizer (built once)."""
+    import transformers
+
+    from mindie_host.testing import make_tiny_model
+
+    config, model, keys = FAMILIES[name]
+    shape = dict(SHAPE)
+    if name == "phi3":  # Phi3Config takes no head_dim: 9 heads of 64 from the hidden size
+        shape.pop("head_dim")
+    return make_tiny_model(root / name, getattr(transformers, config), getattr(transformers, model), head_scale=1.0,
+                           **shape, **keys)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
@@ -76,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-chunk", type=int, default=0,
                     help="time mixed steps: the decodes plus a prompt chunk of this many tokens after as many cached")
     ap.add_argument("--profile", type=int, help="print torch.profiler's operator table for one step of this batch")
+    ap.add_argument("--family", choices=sorted(FAMILIES),
+                    help="a random model of this family at the default model's shape instead of the default model")
+    ap.add_argument("--family-dir", default="/tmp/mindie-bench-families", help="where --family models are kept")
     args = ap.parse_args(argv)
+    model_path = family_model(args.family, Path(args.family_dir)) if args.family else None
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     per_seq = -(-(max(contexts_of(2, args.context, args.spread) + [2 * args.mixed_chunk]) + 1) // block_size)
-    cfg = server_config(None, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
+    cfg = server_config(model_path, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
                                      "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + (max(batches) + 1) * per_seq, 65),
                                      "cpuMemSize": 8},
                         schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches) + (1 if args.mixed_chunk else 0),
@@ -115,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile() as prof:
             backend.execute(batch)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
-    print(json.dumps({"quantization": args.quantization, "compile": args.compile, "context": args.context,
+    print(json.dumps({"family": args.family or "default", "quantization": args.quantization, "compile": args.compile,
+                      "context": args.context,
                       "spread": args.spread, "mixed_chunk": args.mixed_chunk,
                       "ms_per_step": results}))
     host.shutdown()
