@@ -103,6 +103,7 @@ def install(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     cfg = server_config(
         tiny_model,
         server={
+            "engineProcess": False,  # TLS and secrets are the point: no engine process to start
             "httpsEnabled": True,
             "tlsCaPath": "security/ca/",
             "tlsCaFile": ["ca.pem"],

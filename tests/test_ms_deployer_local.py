@@ -313,7 +313,10 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
                 break
             assert time.monotonic() < deadline, f"the update did not finish: {items}"
             time.sleep(0.3)
-        time.sleep(2)  # load on the new instances alone for a moment
+        served = {kind: len(results[kind]) for kind in ("stream", "plain")}
+        while any(len(results[kind]) < n + 2 for kind, n in served.items()):  # the new instances alone serve too
+            assert time.monotonic() < deadline, f"no requests served after the update: {served}"
+            time.sleep(0.1)
     finally:
         stop.set()
         for t in threads:
