@@ -148,6 +148,14 @@ FAMILIES = {
             renders={"renders_tools": False, "renders_calls": False, "system": "text"},
         ),
         Family(
+            "glm4_0414",
+            GLM_TOKENS,
+            "<|user|>",
+            parser="glm4",
+            model_type="glm4",
+            renders={"renders_tools": True, "renders_calls": False, "renders_tool_role": False},
+        ),
+        Family(
             "glm_z1_0414",
             GLM_TOKENS + THINK_TOKENS,
             "<|user|>",

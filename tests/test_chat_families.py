@@ -79,6 +79,7 @@ ANSWERS = {
     "deepseek_r1": f"{THOUGHT}\n</think>\n\n{DEEPSEEK}",  # the template opened <think>
     "deepseek_r1_0528": f"<think>\n{THOUGHT}\n</think>\n\n{DEEPSEEK}",
     "glm4_9b_chat": GLM,
+    "glm4_0414": GLM,
     "glm_z1_0414": f"{THOUGHT}\n</think>\n{GLM}",  # the template opened <think>
     "mistral_nemo": MISTRAL,  # [TOOL_CALLS] is a special token
     "mixtral_8x7b": MISTRAL,

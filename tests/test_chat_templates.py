@@ -156,6 +156,9 @@ def test_family_shapes(tokenizers):
     assert "<|observation|>\n31C<|observation|>\n14:05<|assistant|>" in glm and "## get_weather" in glm
     z1, _ = rendered(tokenizers["glm_z1_0414"], FAMILIES["glm_z1_0414"], HISTORY)
     assert "<|assistant|>get_time\n" in z1 and "<|observation|>\n14:05" in z1 and z1.endswith("<|assistant|>\n<think>")
+    g0414, _ = rendered(tokenizers["glm4_0414"], FAMILIES["glm4_0414"], HISTORY)
+    assert '<|assistant|>get_time \n{"city": "Oslo"}<|observation|>\n31C<|observation|>\n14:05<|assistant|>\n' in g0414
+    assert "## get_time" in g0414 and g0414.endswith("tomorrow?<|assistant|>")  # no <think>: GLM-4-0414 answers at once
     nemo, plan = rendered(tokenizers["mistral_nemo"], FAMILIES["mistral_nemo"], HISTORY)
     ids = [c["id"] for c in json.loads(nemo.split("[TOOL_CALLS]")[1].split("</s>")[0])]
     assert all(len(i) == 9 and i.isalnum() for i in ids) and f'"call_id": "{ids[1]}"' in nemo
