@@ -215,7 +215,7 @@ def count_tensors(source: ModelSource, family: Architecture | None = None, arch:
     total = 0
     for f in _safetensor_files(source.path):
         with safe_open(str(f), framework="numpy") as st:
-            total += sum(len(family.tensor_pieces(key, arch)) for key in st.keys())
+            total += sum(len(family.tensor_pieces(key, arch)) for key in st.keys() if not key.endswith(FP8_SCALE))
     return total
 
 
@@ -362,16 +362,71 @@ def _safetensor_files(directory: Path) -> list[Path]:
     return files
 
 
+#: the suffix of an FP8 block-scaled weight's scales (DeepSeek-V3's format: ``weight = fp8 * weight_scale_inv``)
+FP8_SCALE = "_scale_inv"
+
+
+def fp8_block_size(directory: Path) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of an FP8 block-scaled checkpoint (``quantization_config.quant_method`` "fp8"),
+    or None when it is not one; an FP8 config without block scales is refused."""
+    cfg_path = directory / "config.json"
+    qc = json.loads(cfg_path.read_text()).get("quantization_config") if cfg_path.exists() else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"{cfg_path}: an fp8 quantization_config is served with weight_block_size [rows, cols] "
+                             f"(block scales, as DeepSeek-V3 ships); got {block!r}")
+    return int(block[0]), int(block[1])
+
+
 def _iter_safetensors(directory: Path, arch: ModelArch, family: Architecture,
                       shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Each piece of each tensor as float32; an FP8 block-scaled checkpoint's weights dequantized with their
+    ``weight_scale_inv`` blocks (read for the slice a rank reads only), the scales themselves not yielded."""
     from safetensors import safe_open
 
+    block = fp8_block_size(directory)
+    scales: dict[str, Path] = {}
+    if block is not None:
+        for f in _safetensor_files(directory):
+            with safe_open(str(f), framework="pt") as st:
+                scales.update({k: f for k in st.keys() if k.endswith(FP8_SCALE)})
     for f in _safetensor_files(directory):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
+                if key in scales:
+                    continue
                 for piece in family.tensor_pieces(key, arch):
                     part = shard(piece.name) if shard is not None else None
-                    yield piece.name, _read_piece(st, key, piece, part).float().numpy()
+                    tensor = _read_piece(st, key, piece, part).float()
+                    if key + FP8_SCALE in scales:
+                        assert block is not None
+                        tensor = _dequantize_fp8(tensor, scales[key + FP8_SCALE], key + FP8_SCALE, block,
+                                                 _read_span(st.get_slice(key).get_shape(), piece, part))
+                    yield piece.name, tensor.numpy()
+
+
+def _read_span(shape: list[int], piece: Piece, part: tuple[int, int, int] | None) -> tuple[int, int]:
+    """The first row and column of what :func:`_read_piece` reads of a 2-D tensor of ``shape``."""
+    base = piece.rows[0] if piece.rows is not None else 0
+    if part is None:
+        return base, 0
+    dim, lo, _ = part
+    return (base + lo, 0) if dim == 0 else (base, lo)
+
+
+def _dequantize_fp8(tensor: Any, scale_file: Path, scale_key: str, block: tuple[int, int],
+                    start: tuple[int, int]) -> Any:
+    """``tensor`` (the float values of FP8 codes, read from ``start``) times its blocks' scales."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(scale_file), framework="pt") as st:
+        scale = st.get_tensor(scale_key).float()
+    rows = (torch.arange(tensor.shape[0]) + start[0]) // block[0]
+    cols = (torch.arange(tensor.shape[1]) + start[1]) // block[1]
+    return tensor * scale[rows][:, cols]
 
 
 def _read_piece(st: Any, key: str, piece: Piece, part: tuple[int, int, int] | None) -> Any:

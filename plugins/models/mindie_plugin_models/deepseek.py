@@ -18,8 +18,8 @@ scores (renormalized when ``norm_topk_prob``) times ``routed_scaling_factor``, a
 experts (one gated MLP of ``moe_intermediate_size * n_shared_experts`` channels).
 
 A checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``, stored as layers past
-``num_hidden_layers``) are skipped with a log line. FP8 block-scaled checkpoints (``weight_scale_inv`` tensors) are
-refused at load: dequantize them first.
+``num_hidden_layers``) are skipped with a log line. FP8 block-scaled checkpoints (V3's and R1's own) are dequantized
+as they are read (:func:`mindie_host.models.weights.fp8_block_size`).
 """
 
 from __future__ import annotations
@@ -246,9 +246,7 @@ class DeepseekV3Family(Architecture):
         return arch
 
     def tensor_pieces(self, name: str, arch: ModelArch) -> list[Piece]:
-        """The multi-token-prediction layers skipped (logged once); FP8 scales refused."""
-        if name.endswith("weight_scale_inv"):
-            raise ModelLoadError(f"{name}: FP8 block-scaled weights are not served; dequantize the checkpoint first")
+        """The multi-token-prediction layers skipped (logged once)."""
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])
             if index >= arch.num_layers:
