@@ -197,6 +197,13 @@ def test_reasoning_and_enable_thinking(server, force, client):
     assert off.choices[0].message.content == "Hello there."
     assert off.choices[0].message.model_extra["reasoning_content"] is None
     assert force.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    # /tokenize renders messages as the chat endpoint does, chat_template_kwargs included
+    tokenized = httpx.post(
+        server.url + "/tokenize",
+        timeout=30,
+        json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
+    assert tokenized["count"] == off.usage.prompt_tokens
     # cut by max_tokens inside the reasoning: all of it is reasoning
     force.text = f"<think>\n{THOUGHT} And more thinking that goes on"
     cut = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, temperature=0).choices[0]
@@ -218,6 +225,8 @@ def test_reasoning_and_enable_thinking(server, force, client):
             timeout=30,
             json={"model": "tiny", "messages": ASK, "max_tokens": 5, "chat_template_kwargs": kwargs},
         )
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == field, bad.text
+        bad = httpx.post(server.url + "/tokenize", timeout=30, json={"messages": ASK, "chat_template_kwargs": kwargs})
         assert bad.status_code == 422 and bad.json()["error"]["param"] == field, bad.text
 
 

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import hookimpl
+from ..chat_template import fit_roles, template_kwargs, template_profile
 from ..engine.request import RequestError
 from .app import error_response, json_response, mindie_error_body, offload, read_json
 from .openai import chat_messages, make_fields, openai_error
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 #: MindIE's limit on ``inputs`` (characters)
 MAX_INPUTS = 4 * 1024 * 1024
-TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
+TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                 "chat_template_kwargs")
 DETOKENIZE_KEYS = ("model", "tokens")
 
 
@@ -107,14 +109,20 @@ class TokenizeServer:
             if body.get("add_generation_prompt") is not None:
                 raise RequestError("add_generation_prompt applies to messages only", status=400,
                                    field="add_generation_prompt")
+            if body.get("chat_template_kwargs") is not None:
+                raise RequestError("chat_template_kwargs applies to messages only", status=400,
+                                   field="chat_template_kwargs")
             special = bool(f.bool("add_special_tokens", True))
-        else:
-            messages = chat_messages(f)
+        else:  # rendered as the chat endpoint renders them (fitted to the template, its own variables)
+            profile = template_profile(host)
+            kwargs = template_kwargs(f.raw("chat_template_kwargs"), profile)
+            messages = fit_roles(chat_messages(f), profile)
             generation = bool(f.bool("add_generation_prompt", True))
             if generation:
-                prompt = host.apply_chat_template(messages)
+                prompt = host.apply_chat_template(messages, **kwargs)
             else:
-                prompt = host.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+                prompt = host.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                            **kwargs)
             special = bool(f.bool("add_special_tokens", False))
         ids = host.tokenize(prompt, add_special_tokens=special)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": host.config.deploy.maxSeqLen, "tokens": ids}
