@@ -57,7 +57,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--conc", default="1,16")
+    ap.add_argument("--no-compile", action="store_true", help="eager decode steps (a quick sanity run)")
     a = ap.parse_args()
+    spec_bench.COMPILE = not a.no_compile
     prompts = make_prompts(a.prompts, seed=7)
     outputs: dict[str, dict[int, list[list[str]]]] = {}
     for system in a.systems.split(","):

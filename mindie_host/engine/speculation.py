@@ -283,10 +283,16 @@ def opted_out(seq: DraftRequest) -> bool:
     return seq.extensions.get(OPT_OUT_KEY) is False
 
 
-def speculation_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """A proposer plugin's gauges (``mindie_host_metrics``) from the engine's counters (``Host.stats()``):
-    drafts verified and accepted, the acceptance rate, and the mean tokens a verified sequence made per step
-    (the accepted drafts plus the target's own token)."""
+def speculation_metrics(host: Any) -> dict[str, float] | None:
+    """A proposer plugin's gauges (return them from ``mindie_host_metrics``): drafts verified and accepted, the
+    acceptance rate, and the mean tokens a verified sequence made per step (the accepted drafts plus the target's
+    own token), from the engine's counters. ``None`` in a front end whose engine runs in its own process: the
+    engine process reports the plugin's gauges itself (never ``host.stats()`` here: it asks every plugin's
+    metrics, this one included)."""
+    llm = getattr(host, "llm", None)
+    if llm is None:
+        return None
+    stats = llm.stats()
     verified = stats.get("spec_verifications", 0.0)
     drafted = stats.get("spec_draft_tokens", 0.0)
     accepted = stats.get("spec_accepted_tokens", 0.0)

@@ -117,6 +117,6 @@ def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) ->
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float]:
+def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] | None:
     """Drafts proposed and accepted, the acceptance rate and the mean accepted length (/metrics, /metrics-json)."""
-    return speculation_metrics(host.stats())
+    return speculation_metrics(host)

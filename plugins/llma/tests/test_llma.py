@@ -68,8 +68,9 @@ def test_greedy_output_is_identical_with_lookup_drafts(host: Any) -> None:
     try:
         got = run_engine(host, reqs())
         assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
-        stats = host.llm.stats()
+        stats = host.stats()  # the engine's counters and the plugin's gauges (/metrics, /metrics-json)
         assert stats["spec_draft_tokens"] > 0  # (a random model rarely copies: acceptance is tests/test_speculation.py's)
+        assert stats["spec_decode_draft_tokens"] == stats["spec_draft_tokens"]
         state = host.plugins.state("llma")
         assert state.indexes == {} and state.k == {}  # released with the requests
         # a request that opts out gets no drafts
