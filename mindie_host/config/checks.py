@@ -72,7 +72,8 @@ def cross_checks(c: Config, b: Findings) -> None:
         f"an integer in [0, {mbs}] (at most {S}.maxBatchSize)",
         f"{S}.maxBatchSize",
     )
-    # only meaningful with SplitFuse on, so a small maxBatchSize alone does not trip it
+    # only meaningful with SplitFuse on, so a small maxBatchSize alone does not trip it; the one copy of this
+    # rule, so that it holds whether or not the plugin that splits is installed
     b.need(
         not sch.enableSplit or sch.splitStartBatchSize <= mbs,
         f"{S}.splitStartBatchSize",

@@ -32,25 +32,20 @@ def is_enabled(config: Any) -> bool:
 
 @hookimpl
 def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
-    """``templateType`` must be ``Mix``; the split keys must be consistent with the batch size."""
-    if PLUGIN_NAME not in model_config.plugins:
+    """``templateType`` must be ``Mix``.
+
+    The split keys' own rules (``splitChunkTokens`` in [1, 8192], ``splitStartBatchSize`` at most
+    ``maxBatchSize`` when ``enableSplit`` is true) are the config's, checked whether or not this
+    plugin is installed.
+    """
+    template = config.schedule.templateType
+    if PLUGIN_NAME not in model_config.plugins or template == "Mix":
         return []
-    sch = config.schedule
-    errors: list[str] = []
-    prefix = "BackendConfig.ScheduleConfig"
-    if sch.templateType != "Mix":
-        errors.append(
-            f"{prefix}.templateType is {sch.templateType!r} but ModelConfig.plugin_params enables 'splitfuse'; "
-            f"allowed: \"Mix\" (SplitFuse batches prefill and decode together) or remove splitfuse from plugin_type"
-        )
-    if sch.splitStartBatchSize > sch.maxBatchSize:
-        errors.append(
-            f"{prefix}.splitStartBatchSize is {sch.splitStartBatchSize}; allowed: an integer in "
-            f"[0, {sch.maxBatchSize}] (at most maxBatchSize)"
-        )
-    if sch.enableSplit and sch.splitChunkTokens < 1:
-        errors.append(f"{prefix}.splitChunkTokens is {sch.splitChunkTokens}; allowed: an integer in [1, 8192]")
-    return errors
+    return [
+        f"BackendConfig.ScheduleConfig.templateType is {template!r} but ModelConfig.plugin_params enables "
+        f"'splitfuse'; allowed: \"Mix\" (SplitFuse batches prefill and decode together) or remove splitfuse from "
+        f"plugin_type"
+    ]
 
 
 @hookimpl
