@@ -25,7 +25,8 @@ from .. import hookimpl
 from ..chat_template import fit_roles, template_kwargs, template_profile
 from ..engine.request import RequestError
 from .app import error_response, json_response, mindie_error_body, offload, read_json
-from .openai import chat_messages, make_fields, openai_error
+from .openai import openai_error
+from .openai_parse import chat_messages, make_fields
 from .validation import Fields
 
 if TYPE_CHECKING:
