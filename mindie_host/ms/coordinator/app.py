@@ -45,10 +45,11 @@ from starlette.routing import Route
 from ..bodies import BodyError, decode_json, read_body, u64
 from ..process import run_component, stop_on_signals
 from .config import CoordinatorConfig
+from .dresult import DResultHub
 from .instances import InstanceTable, parse_refresh
 from .limits import NOT_READY, Scheduler
 from .metrics import MetricsAggregator
-from .pd import DResultHub, PDForwarder
+from .pd import PDForwarder
 from .proxy import Forwarder
 from .routing import Router
 
