@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mindie_host.config import config_from_dict
-from mindie_host.server.security import LINK_GATE, check_bind_addresses
+from mindie_host.server.admission import LINK_GATE, check_bind_addresses
 from mindie_host.testing import RunningServer, server_config
 
 MODEL = "tiny"

@@ -33,7 +33,7 @@ from mindie_host.file_modes import ENV_CHECK, write_file
 from mindie_host.keystore import Keystore, KeystoreError, SecretReader
 from mindie_host.ms.coordinator.app import serve_coordinator
 from mindie_host.ms.coordinator.config import coordinator_config_from_dict, default_coordinator_dict
-from mindie_host.server.security import tls_options
+from mindie_host.server.tls import tls_options
 from mindie_host.testing import RunningServer, free_port, server_config
 
 PASSWORD = "correct horse battery"
@@ -347,7 +347,7 @@ def test_plain_text_passwords_still_load_with_a_warning(tmp_path: Path, caplog: 
     write_file(cert, pem(item.cert), 0o600)
     write_file(key, encrypted_key(item.key), 0o600)
     pwd = write_file(tmp_path / "pwd.txt", PASSWORD, 0o600)
-    from mindie_host.server.security import build_ssl_context
+    from mindie_host.server.tls import build_ssl_context
 
     with caplog.at_level(logging.WARNING, "mindie_host.keystore"):
         assert build_ssl_context(cert, key, pwd, [], [], "business plane")

@@ -15,7 +15,7 @@ from mindie_host.config import ConfigError, default_config_dict, load_config
 from mindie_host.file_modes import ENV_CHECK, write_file
 from mindie_host.ms.controller.config import default_controller_dict, load_controller_config
 from mindie_host.ms.coordinator.config import default_coordinator_dict, load_coordinator_config
-from mindie_host.server.security import TLSConfigError, build_ssl_context
+from mindie_host.server.tls import TLSConfigError, build_ssl_context
 
 
 @pytest.fixture(autouse=True)

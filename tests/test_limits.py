@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from mindie_host.server.security import LINK_GATE
+from mindie_host.server.admission import LINK_GATE
 from mindie_host.testing import RunningServer, server_config
 
 API_KEY = "sk-test-limits-123"

@@ -1,6 +1,6 @@
 """One request pipeline: every protocol hands the same internal request to the host, and the rules live once.
 
-The output length rule (``Host.new_request``), the body cap (``server/security.py``) and the
+The output length rule (``Host.new_request``), the body cap (``server/admission.py``) and the
 finish-reason mapping (``server/outcome.py``) each live in one place, so every protocol answers
 the same case the same way, in its own wire format.
 """

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from mindie_host.config import ConfigError, config_from_dict
-from mindie_host.server.security import TLSConfigError, build_ssl_context, check_bind_addresses, tls_options
+from mindie_host.server.admission import check_bind_addresses
+from mindie_host.server.tls import TLSConfigError, build_ssl_context, tls_options
 from mindie_host.testing import RunningServer, server_config
 
 NOW = dt.datetime.now(dt.timezone.utc)

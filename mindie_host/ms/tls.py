@@ -8,7 +8,7 @@ in the controller; either spelling is taken) and ``tls_crl`` (empty: no revocati
 file's directory (``MIES_INSTALL_PATH`` when set).
 
 A listening side (coordinator management and user ports, controller HTTP server) builds its
-context with the server's :func:`~mindie_host.server.security.build_ssl_context` (RSA keys of at
+context with the server's :func:`~mindie_host.server.tls.build_ssl_context` (RSA keys of at
 least 3072 bits, client certificates required when ``ca_cert`` is set, CRL checked when given).
 A calling side (coordinator to servers, controller to servers and coordinator) verifies the
 peer against ``ca_cert`` and shows ``tls_cert``/``tls_key`` as its client certificate.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..keystore import SecretReader
-from ..server.security import TLSConfigError, _read_password, build_ssl_context, check_tls_file_modes, resolve
+from ..server.tls import TLSConfigError, build_ssl_context, check_tls_file_modes, read_password, resolve
 from .schema import ConfigError, Section
 
 ITEM_KEYS = ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl")
@@ -53,7 +53,7 @@ class TLSLink:
 
     def password(self) -> str | None:
         """The private key's password from ``tls_passwd`` (decrypted), or None."""
-        return _read_password(self._path(self.tls_passwd), self.secrets())
+        return read_password(self._path(self.tls_passwd), self.secrets())
 
     def server_context(self) -> ssl.SSLContext | None:
         """The context for a listener on this link, or None when TLS is off."""

@@ -59,7 +59,7 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def read_json(request: Request, host: Host) -> dict[str, Any]:
-    """The request body as a JSON object (the body cap is enforced before any route runs: security.py)."""
+    """The request body as a JSON object (the body cap is enforced before any route runs: admission.py)."""
     bind_host(host)  # media parts in the body are served by this host's plugins (mindie_host/content.py)
     return parse_json_body(await request.body())
 

@@ -36,8 +36,8 @@ from prometheus_client.registry import Collector
 from .. import hookimpl
 from ..engine.request import RequestOutput
 from ..host_state import CacheSlot
+from .admission import LINK_GATE
 from .app import json_response
-from .security import LINK_GATE
 
 if TYPE_CHECKING:
     from ..context import LifecycleContext

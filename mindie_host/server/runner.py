@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from .admission import LINK_GATE, BusinessGuard, LinkGate, check_bind_addresses, listener_protocol
 from .app import create_app
 from .pd import BUSINESS_APP, PDGate
-from .security import LINK_GATE, BusinessGuard, LinkGate, check_bind_addresses, listener_protocol, tls_options
+from .tls import tls_options
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

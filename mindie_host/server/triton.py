@@ -130,7 +130,7 @@ def perf_stat(out: RequestOutput) -> list[list[int]]:
 
 
 async def read_body(request: Request, host: Host) -> bytes:
-    """The raw body (the body cap is enforced before any route runs: security.py)."""
+    """The raw body (the body cap is enforced before any route runs: admission.py)."""
     return await request.body()
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..config import Config, ConfigError, load_config
 from ..file_modes import SECRET_MODE, write_file
 from ..keystore import DEFAULT_LIFETIME_DAYS, MAX_AHEAD_DAYS, Keystore, KeystoreError, erase
-from ..server.security import MIN_RSA_BITS, resolve, security_base
+from ..server.tls import MIN_RSA_BITS, resolve, security_base
 
 CERT_MODE, KEY_MODE = 0o600, 0o400  # the spec's import modes (CA and CRL as certificates)
 MAX_CA_FILES = 5

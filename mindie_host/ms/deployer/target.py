@@ -117,7 +117,7 @@ def check_against_config(spec: InferServer, config: dict[str, Any], mindie_tls: 
 def server_tls_files(config: dict[str, Any], base: Path) -> dict[str, str]:
     """The business listener's certificate, key, password file (and the master-key files it is encrypted under)
     and first CA as TLS items, relative paths under ``base`` (the servers' ``MIES_INSTALL_PATH``)."""
-    from ...server.security import resolve
+    from ...server.tls import resolve
 
     s = config_from_dict(config).server
     ca = [name for name in s.tlsCaFile if name]

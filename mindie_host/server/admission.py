@@ -1,29 +1,18 @@
-"""TLS, the optional API key, connection limits and request bookkeeping for the listeners.
+"""Who gets in, and how far: the guards in front of every route of the listeners.
 
-TLS (``httpsEnabled``):
+* :func:`check_bind_addresses`: 0.0.0.0 only with ``allowAllZeroIpListening`` (the config's own
+  rule, checked again at start because a config object can change after it was validated), and
+  a warning when allowed.
+* :class:`HeaderTimeoutProtocol` closes connections whose headers take longer than
+  ``headerReadTimeoutSeconds`` (slowloris).
+* :class:`BusinessGuard`, a plain ASGI wrapper on every listener: request id and access log,
+  ``apiKey`` bearer check (401; on a port the business plane shares with the management plane,
+  every route needs the key), body cap ``maxRequestBodyBytes`` (413), a body-read deadline
+  ``bodyReadTimeoutSeconds`` (408; the body is read before a slot is taken), and on business
+  routes ``maxLinkNum`` (:class:`LinkGate`): at most ``maxLinkNum`` requests in progress,
+  ``2*maxLinkNum`` more wait for a slot, and any further request is refused at once with 503.
 
-* the business listener uses ``tlsCert``/``tlsPk``/``tlsPkPwd``, CA files
-  ``tlsCaPath``+``tlsCaFile`` and CRLs ``tlsCrlPath``+``tlsCrlFiles``;
-* the management and metrics listeners use the ``managementTls*`` set (CA files
-  under ``tlsCaPath`` as in MindIE) when ``managementIpAddress`` differs from
-  ``ipAddress``, and the business set otherwise;
-* CA files present => mutual TLS (clients must show a certificate the CA signed);
-  CRL files present => revoked client certificates are refused;
-* relative paths are under ``MIES_INSTALL_PATH`` when set, else under the config
-  file's directory, else the working directory; absolute paths are used as is;
-* an RSA server key shorter than 3072 bits is refused (the spec's rule);
-* ``tlsPkPwd`` names a file holding the key's password, encrypted under the master key in
-  ``kmcKsfMaster``/``kmcKsfStandby`` (:mod:`mindie_host.keystore`; plain text is read with a
-  warning); ``apiKey`` may be such a token too.
-
-Business-plane requests pass through :class:`BusinessGuard`, a plain ASGI wrapper:
-request id and access log, ``apiKey`` bearer check (401; on a port the business
-plane shares with the management plane, every route needs the key), body cap
-``maxRequestBodyBytes`` (413), a body-read deadline ``bodyReadTimeoutSeconds`` (408;
-the body is read before a slot is taken), and ``maxLinkNum``: at most ``maxLinkNum``
-requests in progress, ``2*maxLinkNum`` more wait for a slot, and any further request
-is refused at once with 503. :class:`HeaderTimeoutProtocol` closes connections whose
-headers take longer than ``headerReadTimeoutSeconds`` (slowloris).
+The listeners' TLS is :mod:`.tls`.
 """
 
 from __future__ import annotations
@@ -32,24 +21,20 @@ import asyncio
 import hmac
 import json
 import logging
-import os
-import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..file_modes import SECRET_MODE, FileModeError, check_mode
 from ..host_state import CacheSlot
-from ..keystore import SecretReader
 from ..logs import bind_request_id, reset_request_id
+from .tls import secret_reader
 
 if TYPE_CHECKING:
-    from ..config import Config, ServerConfig
+    from ..config import Config
 
 log = logging.getLogger("mindie_host.server")
 
@@ -59,31 +44,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-MIN_RSA_BITS = 3072
 REQUEST_ID_HEADER = "x-request-id"
-
-
-class TLSConfigError(RuntimeError):
-    """A certificate, key, CA or CRL file named by the config is missing or unusable."""
-
-
-# -- TLS ---------------------------------------------------------------------------------------------
-def security_base(config: Config) -> Path:
-    """The directory relative TLS paths start from (see the module docstring)."""
-    install = os.environ.get("MIES_INSTALL_PATH")
-    if install:
-        return Path(install)
-    if config.source_path:
-        return Path(config.source_path).resolve().parent
-    return Path.cwd()
-
-
-def resolve(base: Path, *parts: str) -> Path:
-    """Join ``parts`` under ``base``; an absolute part restarts the path."""
-    path = base
-    for part in parts:
-        path = path / Path(part).expanduser()
-    return path
 
 
 def check_bind_addresses(config: Config) -> None:
@@ -101,131 +62,6 @@ def check_bind_addresses(config: Config) -> None:
             "ServerConfig.%s is 0.0.0.0: the server listens on every network interface and is reachable from "
             "any network this machine is on; bind a specific address unless that is intended", key,
         )
-
-
-def _files(base: Path, directory: str, names: list[str]) -> list[Path]:
-    return [resolve(base, directory, name) for name in names if name]
-
-
-def secret_reader(config: Config) -> SecretReader:
-    """Decrypts the server's secrets under ``kmcKsfMaster``/``kmcKsfStandby`` (relative to :func:`security_base`)."""
-    base, s = security_base(config), config.server
-    return SecretReader(resolve(base, s.kmcKsfMaster) if s.kmcKsfMaster else None,
-                        resolve(base, s.kmcKsfStandby) if s.kmcKsfStandby else None, "ServerConfig")
-
-
-def _read_password(path: Path | None, secrets: SecretReader | None = None) -> str | None:
-    """A key-password file's secret: a token decrypts under ``secrets``' keystore, plain text is used as it is."""
-    return (secrets or SecretReader(None, None, "this component")).read_file(path)
-
-
-def _check_key_strength(key_path: Path, password: str | None) -> None:
-    try:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
-    except ImportError:  # optional: without it the key length is not checked
-        log.warning("the 'cryptography' package is not installed; the server key length is not checked")
-        return
-    try:
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password.encode() if password else None)
-    except (TypeError, ValueError) as exc:
-        raise TLSConfigError(f"cannot read private key {key_path}: {exc} (is the password file right?)") from exc
-    if isinstance(key, rsa.RSAPrivateKey) and key.key_size < MIN_RSA_BITS:
-        raise TLSConfigError(
-            f"private key {key_path} is RSA-{key.key_size}; the server key must be at least RSA-{MIN_RSA_BITS} "
-            "(or an EC key)"
-        )
-
-
-def check_tls_file_modes(paths: list[Path | None], what: str) -> None:
-    """``MINDIE_CHECK_INPUTFILES_PERMISSION``: certificates, keys, CA/CRL and password files at most 0600."""
-    for path in paths:
-        if path is None:
-            continue
-        try:
-            check_mode(path, SECRET_MODE, f"a TLS file of the {what}")
-        except FileModeError as exc:
-            raise TLSConfigError(f"{what}: {exc}") from None
-
-
-def build_ssl_context(
-    cert: Path, key: Path, password_file: Path | None, ca_files: list[Path], crl_files: list[Path], what: str,
-    secrets: SecretReader | None = None,
-) -> ssl.SSLContext:
-    """A server-side context: our cert and key, client certificates required if CA files are given."""
-    for path, name in ((cert, "certificate"), (key, "private key")):
-        if not path.is_file():
-            raise TLSConfigError(f"{what}: TLS {name} {path} does not exist")
-    check_tls_file_modes([cert, key, password_file, *ca_files, *crl_files], what)
-    password = _read_password(password_file, secrets)
-    _check_key_strength(key, password)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(str(cert), str(key), password=password)
-    except ssl.SSLError as exc:
-        raise TLSConfigError(f"{what}: cannot load {cert} with {key}: {exc}") from exc
-    cas = [p for p in ca_files if p.is_file()]
-    missing = [p for p in ca_files if not p.is_file()]
-    if missing:
-        raise TLSConfigError(f"{what}: CA file(s) not found: {', '.join(map(str, missing))}")
-    for ca in cas:
-        ctx.load_verify_locations(cafile=str(ca))
-    if cas:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        crls = [p for p in crl_files if p.is_file()]
-        for crl in crls:
-            ctx.load_verify_locations(cafile=str(crl))
-        if crls:
-            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-        elif crl_files:
-            log.info("%s: no CRL file found (%s); revocation is not checked", what, ", ".join(map(str, crl_files)))
-    return ctx
-
-
-def plane_ssl_context(config: Config, planes: tuple[str, ...]) -> ssl.SSLContext | None:
-    """The SSL context for a listener serving ``planes``, or None when HTTPS is off."""
-    s: ServerConfig = config.server
-    if not s.httpsEnabled:
-        return None
-    base = security_base(config)
-    separate = "business" not in planes and s.managementIpAddress != s.ipAddress
-    if separate:
-        return build_ssl_context(
-            cert=resolve(base, s.managementTlsCert),
-            key=resolve(base, s.managementTlsPk),
-            password_file=resolve(base, s.managementTlsPkPwd) if s.managementTlsPkPwd else None,
-            ca_files=_files(base, s.tlsCaPath, s.managementTlsCaFile),
-            crl_files=_files(base, s.managementTlsCrlPath, s.managementTlsCrlFiles),
-            what="management plane",
-            secrets=secret_reader(config),
-        )
-    return build_ssl_context(
-        cert=resolve(base, s.tlsCert),
-        key=resolve(base, s.tlsPk),
-        password_file=resolve(base, s.tlsPkPwd) if s.tlsPkPwd else None,
-        ca_files=_files(base, s.tlsCaPath, s.tlsCaFile),
-        crl_files=_files(base, s.tlsCrlPath, s.tlsCrlFiles),
-        what="business plane" if "business" in planes else "management plane",
-        secrets=secret_reader(config),
-    )
-
-
-def tls_options(config: Config, planes: tuple[str, ...]) -> dict[str, Any]:
-    """``uvicorn.Config`` keyword arguments for a listener (empty when HTTPS is off).
-
-    The context is built here, so a bad certificate fails before anything listens.
-    """
-    ctx = plane_ssl_context(config, planes)
-    if ctx is None:
-        return {}
-    import inspect
-
-    import uvicorn
-
-    if "ssl_context_factory" not in inspect.signature(uvicorn.Config.__init__).parameters:
-        raise TLSConfigError("HTTPS needs a uvicorn whose Config takes ssl_context_factory; pip install -U uvicorn")
-    return {"ssl_context_factory": lambda _config, _default: ctx}
 
 
 # -- connection limits ------------------------------------------------------------------------------
