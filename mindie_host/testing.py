@@ -212,7 +212,10 @@ class RunningServer:
         self._thread = threading.Thread(target=self._run, name="mindie-test-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.timeout):
-            raise TimeoutError("server did not become ready")
+            # stop it all the same: an engine process still loading would otherwise outlive the test, and
+            # multiprocessing's exit handler would wait for it (and its supervisor's restarts) forever
+            self.stop()
+            raise TimeoutError(f"server did not become ready within {self.timeout:g} s")
         if self._error is not None:
             raise self._error
         return self
