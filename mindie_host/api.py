@@ -4,15 +4,19 @@
 
 It holds the hook marker, the context types, the config types, ``Host`` (the running host's
 protocol: annotate with it), the engine's request, sequence and scheduling types, the KV block-pool protocol and the model-backend contract
-(``ModelBackend``, ``ModelInput``, ``LinearDeltas``), and nothing backend-specific: backend plugins
-take the torch runner and its building blocks from :mod:`mindie_host.backend_api`.
+(``ModelBackend``, ``ModelInput``, ``LinearDeltas``), the KV connector's types (``KVConnector``, ``KVLayout``,
+``TransferEvent``), the errors a plugin raises or a startup raises (``PluginError``, ``EngineStartError``),
+``config_from_dict`` and ``load_tokenizer``, and nothing backend-specific: backend plugins take the torch
+runner and its building blocks from :mod:`mindie_host.backend_api`. Plugin tests take their helpers from
+:mod:`mindie_host.testing`. These three modules are the whole public surface: a plugin, or its tests, that
+imports anything else from ``mindie_host`` (but ``mindie_host.hookimpl``) fails ``tests/test_house.py``.
 """
 
 from __future__ import annotations
 
 from . import hookimpl
 from .backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput, PayloadSlice
-from .config import Config, ModelConfig
+from .config import Config, ModelConfig, config_from_dict
 from .content import MediaHandler, register_media_handler, unregister_media_handler
 from .context import (
     BackendContext,
@@ -23,7 +27,9 @@ from .context import (
     SchedulingContext,
 )
 from .engine.block_pool import BlockPool, RefCountedBlockPool
+from .engine.handle import EngineStartError
 from .engine.kv_cache import KVCacheManager
+from .engine.kv_transfer import KVConnector, KVLayout, TransferEvent
 from .engine.policy import (
     SchedulerLimits,
     SchedulerState,
@@ -48,7 +54,9 @@ from .engine.speculation import (
 from .host_protocol import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.weights import ModelSource, resolve_model
+from .plugins import PluginError
 from .reasoning_parsers import ReasoningParser
+from .tokenizer import load_tokenizer
 from .tool_parsers import (
     DeepSeekToolParser,
     GlmToolParser,
@@ -114,4 +122,11 @@ __all__ = [
     "register_media_handler",
     "resolve_model",
     "unregister_media_handler",
+    "EngineStartError",
+    "KVConnector",
+    "KVLayout",
+    "TransferEvent",
+    "PluginError",
+    "config_from_dict",
+    "load_tokenizer",
 ]

@@ -11,7 +11,7 @@ nothing backend-specific.
 
 from __future__ import annotations
 
-from .backends.platform import AttentionMetadata, CudaPlatform, Platform, select_platform
+from .backends.platform import AttentionMetadata, CudaPlatform, Platform, gather_slots, select_platform
 from .backends.torch.backend import TorchBackend, resolve_dtype
 from .backends.torch.layers import (
     Attention,
@@ -42,6 +42,7 @@ from .models.rope import Rope, rope_of
 from .models.weights import LlamaArch, count_tensors, family_of, iter_weights, load_arch
 
 __all__ = [
+    "gather_slots",
     "FULL_ATTENTION",
     "SLIDING_ATTENTION",
     "Architecture",

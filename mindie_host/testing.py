@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import config_from_dict, default_config_dict
+from .bench.datasets import DatasetError as BenchDatasetError  # noqa: F401 - public, for load_bench_items
+from .config import Config, config_from_dict, default_config_dict
 
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
@@ -303,24 +304,58 @@ def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | N
     The engine is built in this process (``ServerConfig.engineProcess`` false), so
     ``host.llm`` and ``host.backend`` are there: drive it synchronously with :func:`run_engine`.
     """
-    from .host import Host
-
     cfg = config_from_dict(config)
     cfg.server.engineProcess = False
-    host = Host(cfg)
+    return load_host(new_host(cfg, plugins=plugins))
+
+
+def new_host(config: dict[str, Any] | Config, *, plugins: list[tuple[object, str]] | None = None) -> Any:
+    """A :class:`~mindie_host.host.Host` for ``config`` (a config dict, or a :class:`~mindie_host.api.Config`),
+    with ``plugins`` (object, name) registered and nothing loaded yet: :func:`load_host` loads it."""
+    from .host import Host
+
+    host = Host(config if isinstance(config, Config) else config_from_dict(config))
     for plugin, name in plugins or []:
         host.plugins.register(plugin, name)
-    load_host(host)
     return host
 
 
-def load_host(host: Any) -> None:
-    """Load ``host`` (a :class:`~mindie_host.host.Host`) as ``mindie-host serve`` does, without listeners and
-    without starting its engine: plugins enabled and checked, the model in engine processes with
-    ``ServerConfig.engineProcess`` or here. A config or plugin error raises as it does at startup."""
+def load_host(host: Any) -> Any:
+    """Load ``host`` as ``mindie-host serve`` does, without listeners and without starting its engine: plugins
+    enabled and checked, the model in engine processes with ``ServerConfig.engineProcess`` or here. A config or
+    plugin error raises as it does at startup. ``host`` is a host from :func:`new_host`, or a config (dict or
+    :class:`~mindie_host.api.Config`) to make one from; returns the host."""
     from .runtime import load_host as load
 
+    if isinstance(host, (dict, Config)):
+        host = new_host(host)
     load(host)
+    return host
+
+
+def plugin_manager(config: dict[str, Any] | Config) -> Any:
+    """The plugin manager (:class:`~mindie_host.plugins.PluginHost`) with the builtins and the plugins ``config``
+    enables, as a server builds it before it loads a model: ``registered_names()``, ``backend_types()``, ``hook``."""
+    from .plugins import PluginHost
+
+    plugins = PluginHost()
+    plugins.enable_from_config(config if isinstance(config, Config) else config_from_dict(config))
+    return plugins
+
+
+def run_bench(argv: list[str]) -> int:
+    """``mindie-host bench`` with ``argv`` in this process; returns its exit code."""
+    from .bench.cli import main
+
+    return main(argv)
+
+
+def load_bench_items(dataset_type: str, path: str, **options: Any) -> Any:
+    """The benchmark's requests from a dataset file, as ``mindie-host bench --DatasetType`` reads them
+    (:func:`mindie_host.bench.datasets.load_items`); a bad file raises :class:`BenchDatasetError`."""
+    from .bench.datasets import load_items
+
+    return load_items(dataset_type, path, **options)
 
 
 def run_engine(host: Any, requests: list[Any], *, max_steps: int = 100_000) -> dict[str, Any]:

@@ -238,6 +238,60 @@ def test_the_host_protocol_keeps_the_concrete_host_out_of_the_floors_below() -> 
     assert [m for m in below if "mindie_host.host" in edges[m]] == []
 
 
+#: What plugins, their tests and the examples may import from the host: the public surface.
+PUBLIC = ("mindie_host.api", "mindie_host.backend_api", "mindie_host.testing")
+#: The one file allowed over :data:`MAX_LINES` (the binary tensor codec, one table-driven format).
+LONG_FILES = {"mindie_host/server/triton_binary.py"}
+MAX_LINES = 600
+#: engine/core.py keeps the lifecycle, the loop, input building and sampling (issue 36: about 400 lines)
+CORE_MAX_LINES = 480
+
+
+def private_imports() -> list[str]:
+    """``file:line name`` for every import of the host, outside the public surface, by a plugin package, a
+    plugin's tests or an example (``from mindie_host import hookimpl`` is the marker, and public too)."""
+    found = []
+    for path in sorted([*ROOT.glob("plugins/**/*.py"), *ROOT.glob("examples/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                if node.module == "mindie_host":
+                    names = [f"mindie_host.{alias.name}" for alias in node.names if alias.name != "hookimpl"]
+                else:
+                    names = [node.module]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if (name == "mindie_host" or name.startswith("mindie_host.")) and name not in PUBLIC
+            ]
+    return found
+
+
+def long_files() -> list[str]:
+    """Python files under mindie_host/ and plugins/ (tests aside) over :data:`MAX_LINES` lines."""
+    paths = [*ROOT.glob("mindie_host/**/*.py"), *ROOT.glob("plugins/*/mindie_plugin_*/**/*.py")]
+    return [
+        f"{rel} ({n} lines)"
+        for path in sorted(paths)
+        if (rel := path.relative_to(ROOT).as_posix()) not in LONG_FILES
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def test_plugins_their_tests_and_the_examples_import_only_the_public_surface() -> None:
+    assert private_imports() == []
+
+
+def test_no_file_does_two_jobs_by_length() -> None:
+    """No module over 600 lines (the binary tensor codec aside); the engine core stays near 400."""
+    assert long_files() == []
+    core = len((ROOT / "mindie_host/engine/core.py").read_text().splitlines())
+    assert core <= CORE_MAX_LINES, f"engine/core.py has {core} lines"
+
+
 if __name__ == "__main__":
     g = graph()
     for c in cycles(g):
@@ -246,3 +300,7 @@ if __name__ == "__main__":
         print("upward:", line)
     for line in runtime_importers(g):
         print("runtime from below:", line)
+    for line in private_imports():
+        print("private import:", line)
+    for line in long_files():
+        print("long file:", line)

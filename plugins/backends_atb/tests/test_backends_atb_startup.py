@@ -21,12 +21,9 @@ from mindie_plugin_backends_atb.backend import AtbBackend, KvBudgetError
 from mindie_plugin_backends_atb.platform import NpuPlatform, NpuUnavailable, load_torch_npu
 from standin_torch_npu import StandInTorchNpu
 
-from mindie_host.api import hookimpl, resolve_model
+from mindie_host.api import PluginError, config_from_dict, hookimpl, resolve_model
 from mindie_host.backend_api import Platform
-from mindie_host.config import config_from_dict
-from mindie_host.host import Host
-from mindie_host.plugins import PluginError, PluginHost
-from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, new_host, plugin_manager, server_config
 
 GIB = 1 << 30
 
@@ -49,15 +46,14 @@ def test_backends_atb_and_ms_listed_by_cli() -> None:
 
 
 def test_backends_atb_entry_point_registers_backend_type(tiny_path: Path) -> None:
-    plugins = PluginHost()
-    plugins.enable_from_config(config_from_dict(_cfg(tiny_path)))
+    plugins = plugin_manager(_cfg(tiny_path))
     assert "atb" in plugins.registered_names()
     assert "atb" in plugins.backend_types()
 
 
 def test_backends_atb_without_torch_npu_fails_at_startup_with_install_hint(tiny_path: Path) -> None:
     """Here torch_npu is not installed: Host.load (and the real server) refuse with what is missing and how."""
-    host = Host(config_from_dict(_cfg(tiny_path)))
+    host = new_host(_cfg(tiny_path))
     with pytest.raises(NpuUnavailable) as info:
         load_host(host)
     message = str(info.value)
@@ -95,7 +91,7 @@ def test_backends_atb_torch_npu_present_but_no_device(monkeypatch: pytest.Monkey
 def test_backends_atb_config_validation(tiny_path: Path, model: dict[str, Any], plugins: dict[str, Any],
                                         needle: str) -> None:
     cfg = server_config(tiny_path, model={"backendType": "atb", **model}, plugins=plugins)
-    host = Host(config_from_dict(cfg))
+    host = new_host(cfg)
     with pytest.raises(PluginError, match=needle.replace(".", r"\.")):
         load_host(host)
 
@@ -154,7 +150,7 @@ def test_backends_atb_host_refuses_npu_mem_size_beyond_free(tiny_path: Path) -> 
     """Through Host.load: ModelInfo.device is 'npu', so the host budgets npuMemSize (not cpuMemSize)."""
     config = config_from_dict(_cfg(tiny_path, npuMemSize=2))
     config.server.engineProcess = False  # the test reads host.info after the refusal, in this process
-    host = Host(config)
+    host = new_host(config)
     host.plugins.register(StandInAtbPlugin(tiny_path, free=1 * GIB, total=2 * GIB), "atb")
     with pytest.raises(KvBudgetError, match="npuMemSize is 2 GiB"):
         load_host(host)

@@ -107,7 +107,7 @@ def test_backends_ms_tiny_greedy_matches_torch(tiny_path: Path) -> None:
 
 @pytest.mark.slow
 def test_backends_ms_default_model_greedy_matches_torch() -> None:
-    from mindie_host.tokenizer import load_tokenizer
+    from mindie_host.api import load_tokenizer
 
     path = default_model_path()
     tok = load_tokenizer(resolve_model(path))

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mindie_host.api import ModelInput
-from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
+from mindie_host.testing import RunningServer, load_host, make_tiny_llama, new_host, server_config
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
 NEW = 12
@@ -184,14 +184,12 @@ def test_backends_ms_with_prefix_cache_and_splitfuse(
 def test_backends_ms_refuses_unsupported_config_at_startup(
     tiny_path: Path, model: dict[str, Any], plugins: str, needle: str
 ) -> None:
-    from mindie_host.config import config_from_dict
-    from mindie_host.host import Host
-    from mindie_host.plugins import PluginError
+    from mindie_host.api import PluginError
 
     cfg = _cfg(tiny_path, "ms", plugins)
     cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(model)
     cfg["BackendConfig"]["npuDeviceIds"] = [list(range(model.get("worldSize", 1)))]  # one device per rank
-    host = Host(config_from_dict(cfg))
+    host = new_host(cfg)
     with pytest.raises(PluginError, match=needle) as info:
         load_host(host)
     assert "backendType 'ms'" in str(info.value)

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from mindie_host.api import EngineRequest, SamplingParams
-from mindie_host.plugins import PluginError
+from mindie_host.api import EngineRequest, PluginError, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 PROMPTS = ["The quick brown fox", "def f(x):\n    return", "1 2 3 4 5", "Hello there, how are"]

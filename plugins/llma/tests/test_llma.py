@@ -9,8 +9,7 @@ import mindie_plugin_llma
 import pytest
 from mindie_plugin_llma import NgramIndex
 
-from mindie_host.api import EngineRequest, RequestError, SamplingParams, read_opt_out
-from mindie_host.plugins import PluginError
+from mindie_host.api import EngineRequest, PluginError, RequestError, SamplingParams, read_opt_out
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 

@@ -114,7 +114,7 @@ class LatentAttention:
     def _attend(self, plat: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 step: Step) -> torch.Tensor:
         """Each sequence's new queries over its expanded cached context (causal), sequence by sequence."""
-        from mindie_host.backends.platform import gather_slots
+        from mindie_host.backend_api import gather_slots
 
         meta = step.meta
         if not meta.query_lens:

@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mindie_host.engine.request import EngineRequest
-from mindie_host.engine.sampling import SamplingParams
+from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 BLOCK = 32

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from conftest import DENSE_FAMILIES, PLUGIN_FAMILIES
-from mindie_host.api import ModelInput
-from mindie_host.engine.request import EngineRequest
-from mindie_host.engine.sampling import SamplingParams
+from mindie_host.api import EngineRequest, ModelInput, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 BOTH_PLUGINS = {"plugin_params": json.dumps({"plugin_type": "prefix_cache,splitfuse"})}

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from conftest import SPECS, one_thread, prompts
-from mindie_host.engine.request import EngineRequest
-from mindie_host.engine.sampling import SamplingParams
+from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 NEW_TOKENS = 32

@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from mindie_host.config import config_from_dict
-from mindie_host.engine.handle import EngineStartError
-from mindie_host.host import Host
-from mindie_host.plugins import PluginError
-from mindie_host.testing import load_host
+from mindie_host.api import EngineStartError, PluginError
+from mindie_host.testing import load_host, new_host
 from multi_lora_helpers import lora_config
 from safetensors.torch import load_file, save_file
 
@@ -110,7 +107,7 @@ def test_adapter_list_relative_paths_and_names(tmp_path: Path) -> None:
     ],
 )
 def test_bad_plugin_config_stops_startup(lora_base: Path, settings: dict, key: str) -> None:
-    host = Host(config_from_dict(lora_config(lora_base, **settings)))
+    host = new_host(lora_config(lora_base, **settings))
     with pytest.raises(PluginError) as info:
         load_host(host)
     assert f"Plugins.multi_lora.{key}" in str(info.value) and "allowed" in str(info.value)
@@ -118,7 +115,7 @@ def test_bad_plugin_config_stops_startup(lora_base: Path, settings: dict, key: s
 
 def test_bad_adapter_stops_startup_naming_it(lora_base: Path, lora_adapters: dict[str, Path], tmp_path: Path) -> None:
     bad = mutated(lora_adapters["alpha"], tmp_path / "bad", lambda t: t.__setitem__(KEY.format("A"), torch.zeros(4, 9)))
-    host = Host(config_from_dict(lora_config(lora_base, adapters={"broken": str(bad)})))
+    host = new_host(lora_config(lora_base, adapters={"broken": str(bad)}))
     # with the engine in its own process (the default) the engine's AdapterError reaches startup as the reason
     with pytest.raises((AdapterError, EngineStartError)) as info:
         load_host(host)

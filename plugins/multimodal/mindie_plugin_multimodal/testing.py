@@ -18,9 +18,7 @@ import torch
 def _tokenizer(extra: list[str]) -> Any:
     from tokenizers import AddedToken
 
-    from mindie_host.models.default import default_model_path
-    from mindie_host.models.weights import resolve_model
-    from mindie_host.tokenizer import load_tokenizer
+    from mindie_host.api import default_model_path, load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(default_model_path()))
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in extra], special_tokens=True)

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from mm_helpers import image_png, make_tiny_llava, mm_config
 
-from mindie_host.bench.cli import main
-from mindie_host.bench.datasets import DatasetError, load_items
-from mindie_host.testing import RunningServer
+from mindie_host.testing import BenchDatasetError, RunningServer, load_bench_items, run_bench
 
 ROWS = 3
 
@@ -42,7 +40,7 @@ def textvqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_textvqa_items_are_typed_lists(textvqa: Path, tmp_path: Path) -> None:
-    items = load_items("textvqa", str(textvqa), max_tokens=8, count=None, tokenizer_mode=True,
+    items = load_bench_items("textvqa", str(textvqa), max_tokens=8, count=None, tokenizer_mode=True,
                        synthetic_config=None, seed=0, encode=None)
     assert len(items) == ROWS
     assert items[0].content is not None and items[0].content[0]["type"] == "image_url"
@@ -50,8 +48,8 @@ def test_textvqa_items_are_typed_lists(textvqa: Path, tmp_path: Path) -> None:
     assert items[0].content[1] == {"type": "text", "text": "What does sign 0 say?"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "no image"}) + "\n")
-    with pytest.raises(DatasetError, match="image"):
-        load_items("textvqa", str(bad), max_tokens=8, count=None, tokenizer_mode=True, synthetic_config=None,
+    with pytest.raises(BenchDatasetError, match="image"):
+        load_bench_items("textvqa", str(bad), max_tokens=8, count=None, tokenizer_mode=True, synthetic_config=None,
                    seed=0, encode=None)
 
 
@@ -61,7 +59,7 @@ def test_bench_textvqa_every_protocol(test_type: str, server: RunningServer, mod
     argv = ["--Http", server.url, "--ModelName", "tiny", "--ModelPath", str(model), "--SavePath", str(tmp_path),
             "--Concurrency", "2", "--WarmupSize", "0", "--MaxOutputLen", "6", "--Plot", "False",
             "--TestType", test_type, "--DatasetType", "textvqa", "--DatasetPath", str(textvqa)]
-    assert main(argv) == 0
+    assert run_bench(argv) == 0
     summary = json.loads(next(tmp_path.glob("summary_*.json")).read_text())
     assert summary["common"]["Total"] == ROWS and summary["common"]["Failed"] == 0, summary["common"]
     assert summary["perf"]["GeneratedTokens"]["max"] >= 1
@@ -70,4 +68,4 @@ def test_bench_textvqa_every_protocol(test_type: str, server: RunningServer, mod
 def test_bench_textvqa_refuses_engine_mode(model: Path, textvqa: Path, tmp_path: Path) -> None:
     argv = ["--ModelPath", str(model), "--SavePath", str(tmp_path), "--TestType", "engine",
             "--DatasetType", "textvqa", "--DatasetPath", str(textvqa)]
-    assert main(argv) == 2
+    assert run_bench(argv) == 2

@@ -142,14 +142,12 @@ def test_plugin_off_refuses_image_parts(tmp_path_factory: pytest.TempPathFactory
 
 
 def test_config_is_checked(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from mindie_host.config import config_from_dict
-    from mindie_host.host import Host
-    from mindie_host.plugins import PluginError
+    from mindie_host.api import PluginError
 
     text_model = make_tiny_llama(tmp_path_factory.mktemp("tiny-text-cfg"))
     bad = mm_config(text_model, plugins={"multimodal": {"allowHttp": "yes", "colour": 1}})
     with pytest.raises(PluginError) as info:
-        load_host(Host(config_from_dict(bad)))
+        load_host(bad)
     msg = str(info.value)
     assert "allowHttp" in msg and "colour" in msg and "not a multimodal model" in msg
     assert json.loads(bad["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"])

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mindie_host.api import SamplingParams
-from mindie_host.config import config_from_dict
-from mindie_host.host import Host
+from mindie_host.api import Host, SamplingParams, config_from_dict
 from mindie_host.testing import load_host, make_tiny_llama, server_config
 
 
@@ -27,8 +25,7 @@ def _host(model: Path, on: bool) -> Host:
                         plugins={"prefix_cache": {"numBlocks": 16}} if on else {})
     config = config_from_dict(cfg)
     config.server.engineProcess = False  # the test steps host.llm itself
-    host = Host(config)
-    load_host(host)
+    host = load_host(config)
     return host
 
 

@@ -14,9 +14,7 @@ import httpx
 import openai
 import pytest
 
-from mindie_host.config import config_from_dict
-from mindie_host.host import Host
-from mindie_host.plugins import PluginError
+from mindie_host.api import PluginError
 from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 BLOCK = 16
@@ -133,7 +131,7 @@ def test_chat_multi_turn_reports_cached_tokens(tiny_model: Path) -> None:
 
 def _load_error(cfg: dict[str, Any]) -> str:
     with pytest.raises(PluginError) as info:
-        load_host(Host(config_from_dict(cfg)))
+        load_host(cfg)
     return str(info.value)
 
 

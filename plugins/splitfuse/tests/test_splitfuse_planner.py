@@ -8,8 +8,7 @@ from typing import Any
 
 from mindie_plugin_splitfuse import plan_mix
 
-from mindie_host.api import KVCacheManager, SchedulerLimits, SchedulerState
-from mindie_host.config import config_from_dict
+from mindie_host.api import KVCacheManager, SchedulerLimits, SchedulerState, config_from_dict
 from mindie_host.testing import server_config
 
 

@@ -15,9 +15,7 @@ import openai
 import pytest
 
 from mindie_host import hookimpl
-from mindie_host.config import config_from_dict
-from mindie_host.host import Host
-from mindie_host.plugins import PluginError
+from mindie_host.api import PluginError
 from mindie_host.testing import RunningServer, load_host, make_tiny_llama, server_config
 
 CHUNK = 32
@@ -134,7 +132,7 @@ def test_mix_without_split_mixes_whole_prompts(tiny_model: Path, outputs_standar
 
 def _load_error(cfg: dict[str, Any]) -> str:
     with pytest.raises(PluginError) as info:
-        load_host(Host(config_from_dict(cfg)))
+        load_host(cfg)
     return str(info.value)
 
 

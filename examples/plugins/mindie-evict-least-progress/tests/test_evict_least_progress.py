@@ -8,8 +8,7 @@ from typing import Any
 import mindie_evict_least_progress as plugin
 import pytest
 
-from mindie_host.api import EngineRequest, SamplingParams, SchedulingContext, hookimpl
-from mindie_host.plugins import PluginError
+from mindie_host.api import EngineRequest, PluginError, SamplingParams, SchedulingContext, hookimpl
 from mindie_host.testing import loaded_host, make_tiny_llama, run_engine, server_config
 
 

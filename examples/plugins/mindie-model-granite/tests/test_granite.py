@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindie_host.engine.request import EngineRequest
-from mindie_host.engine.sampling import SamplingParams
+from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import loaded_host, make_tiny_model, run_engine, server_config
 
 
