@@ -37,11 +37,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_requests_and_outputs_cross_the_wire_unchanged() -> None:
     """Plain fields go as msgpack; a callable constraint and a payload travel pickled beside them."""
     req = EngineRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], logit_bias={5: -100.0}),
-                        extras={"k": 1}, payload={"image": b"\x00"}, span_keys=[(0, 2, b"key")],
+                        payload={"image": b"\x00"}, span_keys=[(0, 2, b"key")],
                         logits_constraint=_Allow([7]))
     back = ipc.decode_request(ipc.encode_request(req))
     assert back.sampling == req.sampling and back.prompt_token_ids == [1, 2, 3]
-    assert back.extras == {"k": 1} and back.payload == {"image": b"\x00"} and back.span_keys == [(0, 2, b"key")]
+    assert back.payload == {"image": b"\x00"} and back.span_keys == [(0, 2, b"key")]
     assert back.logits_constraint([1]) == [7]
     out = RequestOutput("r1", [4], "a", "a", [4], 3, finished=True, finish_reason="stop",
                         logprobs=[TokenLogprob(4, -0.5, [(4, -0.5), (9, -1.0)])])

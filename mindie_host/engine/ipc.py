@@ -2,8 +2,8 @@
 
 Messages are msgpack (msgspec) frames over ZeroMQ. Requests and outputs cross as
 their dataclasses (:class:`EngineRequest`, :class:`RequestOutput`), which msgspec
-encodes field by field. Three request fields may hold arbitrary Python objects
-(``logits_constraint``, ``payload`` and ``extras``): when set, they travel as one
+encodes field by field. Two request fields may hold arbitrary Python objects
+(``logits_constraint`` and ``payload``): when set, they travel as one
 pickled blob next to the plain fields, so the common request costs no pickle.
 
 Front end -> engine: ``(ADD, request, blob)``, ``(ABORT, request_id)``, ``(ABORT_ALL,)``,
@@ -27,7 +27,7 @@ ADD, ABORT, ABORT_ALL, COMMAND, SHUTDOWN = "add", "abort", "abort_all", "command
 READY, OUTPUTS, RESULT, FAILED = "ready", "outputs", "result", "failed"
 
 #: Request fields that may hold any Python object; pickled only when set.
-OPAQUE_FIELDS = ("logits_constraint", "payload", "extras")
+OPAQUE_FIELDS = ("logits_constraint", "payload")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -38,7 +38,7 @@ _outputs_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
 def encode_request(request: EngineRequest) -> list[bytes]:
     """Frames of an ``ADD`` message: kind, the plain request, the pickled opaque fields (or b"")."""
     opaque = {name: getattr(request, name) for name in OPAQUE_FIELDS if getattr(request, name)}
-    plain = replace(request, logits_constraint=None, payload=None, extras={}) if opaque else request
+    plain = replace(request, logits_constraint=None, payload=None) if opaque else request
     blob = pickle.dumps(opaque, protocol=pickle.HIGHEST_PROTOCOL) if opaque else b""
     return [ADD.encode(), _encoder.encode(plain), blob]
 

@@ -132,7 +132,6 @@ class EngineRequest:
     priority: int = 3
     arrival_time: float = field(default_factory=time.monotonic)
     timeout: float | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
     extensions: dict[str, Any] = field(default_factory=dict)
     #: Called by the engine thread to constrain the next token (e.g. JSON for tool calls).
     #: Receives the generated token ids so far, returns allowed token ids or None.
