@@ -1,9 +1,10 @@
-"""Shared fixtures: a tiny random Llama (real tokenizer) and a real server on free ports."""
+"""Shared fixtures: a tiny random Llama (real tokenizer), a real server on free ports, the CPU kernels' variants."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,3 +33,25 @@ def default_server() -> Iterator[RunningServer]:
     """
     with RunningServer(server_config(None)) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def cpu_variants() -> dict[str, Any]:
+    """Every variant of the CPU kernels this machine executes (portable, avx2, avx512), built once, side by side."""
+    from mindie_host.backends import cpu_extensions
+
+    return cpu_extensions.load_variants()
+
+
+@pytest.fixture(scope="module", params=["portable", "avx2", "avx512"])
+def cpu_variant(request: pytest.FixtureRequest, cpu_variants: dict[str, Any]) -> Iterator[Any]:
+    """Each kernel variant in turn, active and forced as the CPU profile (``MINDIE_HOST_CPU_ISA``); skipped where
+    this CPU cannot execute it."""
+    from mindie_host.backends import cpu_extensions
+
+    kernels = cpu_variants.get(request.param)
+    if kernels is None:
+        pytest.skip(f"this CPU does not execute the {request.param} kernels (or there is no compiler)")
+    with pytest.MonkeyPatch.context() as env, cpu_extensions.using(kernels):
+        env.setenv("MINDIE_HOST_CPU_ISA", request.param)
+        yield kernels

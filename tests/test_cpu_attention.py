@@ -1,10 +1,13 @@
-"""The CPU attention kernels (mindie_host/backends/attention.cpp) against torch's attention.
+"""The CPU attention kernels (mindie_host/backends/attention.cpp) against torch's attention, in every variant.
 
 Decode attention serves every single-token query of a batch-invariant CPU step in one call; each
-sequence's output must match torch's scaled-dot-product attention over its own context, and carry the
-same bits whether it is computed alone or beside other sequences. Prompt attention serves a sequence's
-prompt tokens (a whole prompt, or a chunk after a cached prefix) causally; it must match torch's
-attention with the causal mask such a chunk needs, and give the same bits on any number of threads.
+sequence's output must match torch's scaled-dot-product attention over its own context (rtol and atol
+1e-5: float32 arithmetic in another order), and carry the same bits whether it is computed alone or
+beside other sequences. Prompt attention serves a sequence's prompt tokens (a whole prompt, or a chunk
+after a cached prefix) causally; it must match torch's attention with the causal mask such a chunk
+needs, and give the same bits on any number of threads. Every variant this CPU executes (portable,
+avx2, avx512) runs every case: head dims 64 and 128 (the vector paths) and 80, 48 (the generic ones),
+grouped-query ratios 1 to 12, contexts that end inside and at the edges of the kernels' blocks.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mindie_host.backends import cpu_attention
+from mindie_host.backends import cpu_attention, cpu_extensions
 from mindie_host.backends.platform import AttentionMetadata, Platform
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(cpu_extensions.compiler() is None, reason="no C++ compiler to build the kernel")
 
 SLOTS, KV, D, H = 16384, 3, 64, 9
 
@@ -44,8 +47,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("heads", "kv", "dim"), [(H, KV, D), (8, 2, 128), (4, 4, 64), (12, 1, 128)])
-def test_kernel_matches_torch_attention(dtype: torch.dtype, heads: int, kv: int, dim: int) -> None:
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(H, KV, D), (8, 2, 128), (4, 4, 64), (12, 1, 128), (6, 2, 80),
+                                                 (4, 2, 48)])
+def test_kernel_matches_torch_attention(cpu_variant: object, dtype: torch.dtype, heads: int, kv: int,
+                                        dim: int) -> None:
     # contexts that end inside and at the edges of the kernel's 4-token score groups and 32-token chunks
     q, k, v, slots, lens = case(dtype, [1, 2, 7, 16, 17, 31, 33, 300, 999], heads=heads, kv=kv, dim=dim)
     got = cpu_attention.decode_attention(q, k, v, slots, lens, dim ** -0.5)
@@ -54,7 +59,7 @@ def test_kernel_matches_torch_attention(dtype: torch.dtype, heads: int, kv: int,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(cpu_variant: object) -> None:
     lens = [5, 640, 33, 128, 1, 900, 250, 64]
     q, k, v, slots, ctx = case(torch.bfloat16, lens, seed=3)
     batch = cpu_attention.decode_attention(q, k, v, slots, ctx, 0.125)
@@ -64,7 +69,7 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch() -> None:
         assert torch.equal(alone[0], batch[b]), b
 
 
-def test_platform_sends_each_kind_of_row_to_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_platform_sends_each_kind_of_row_to_its_kernel(cpu_variant: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (a 6-token prompt chunk between two decodes) gives what torch's operators give."""
     lens, qlens = [40, 6, 300], [1, 6, 1]
     _, k, v, slots, _ = case(torch.bfloat16, lens, seed=5)
@@ -85,11 +90,20 @@ def test_platform_sends_each_kind_of_row_to_its_kernel(monkeypatch: pytest.Monke
     assert len(calls) == 1
     decodes = [0, sum(qlens) - 1]  # float32 arithmetic; the chunk's rows take bf16 products (see BF16_PRODUCTS)
     torch.testing.assert_close(with_kernel[decodes], without[decodes], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(with_kernel[1:-1], without[1:-1], **BF16_PRODUCTS)
+    torch.testing.assert_close(with_kernel[1:-1], without[1:-1], **prompt_tolerance(cpu_variant, torch.bfloat16))
 
 
-#: how close the prompt kernel's bf16 products come to torch's float32 attention (inputs of unit scale)
+#: how close the avx512 prompt kernel's bf16 products come to torch's float32 attention (inputs of unit scale)
 BF16_PRODUCTS = {"rtol": 1e-2, "atol": 1e-2}
+
+
+def prompt_tolerance(kernels: object, dtype: torch.dtype) -> dict[str, float]:
+    """Over a bf16 cache the avx512 kernel's two products take bf16 operands (queries and softmax numerators rounded
+    to bf16, float32 sums), as flash attention does on bf16 inputs: about bf16's precision, 2^-8 of the values'
+    scale. Otherwise float32 arithmetic in another order than torch's."""
+    if dtype == torch.bfloat16 and kernels.variant == "avx512":  # type: ignore[attr-defined]
+        return BF16_PRODUCTS
+    return {"rtol": 1e-5, "atol": 2e-6}
 
 
 def prompt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -111,9 +125,11 @@ def prompt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     (5, 700, 9, 3, 64),      # a short chunk after a long prefix
     (100, 133, 8, 2, 128),   # head dim 128
     (17, 50, 4, 4, 64),      # one query head per KV head
+    (40, 90, 6, 2, 80),      # a head dim of the generic path (16 + 8 dims a pass with AVX-512)
+    (9, 9, 12, 1, 48),       # and another, twelve query heads a KV head
 ])
-def test_prompt_kernel_matches_torch_attention(dtype: torch.dtype, n: int, ctx: int, heads: int, kv: int,
-                                               dim: int) -> None:
+def test_prompt_kernel_matches_torch_attention(cpu_variant: object, dtype: torch.dtype, n: int, ctx: int, heads: int,
+                                               kv: int, dim: int) -> None:
     g = torch.Generator().manual_seed(n + ctx)
     k = torch.randn(4096, kv, dim, generator=g).to(dtype)
     v = torch.randn(4096, kv, dim, generator=g).to(dtype)
@@ -121,13 +137,10 @@ def test_prompt_kernel_matches_torch_attention(dtype: torch.dtype, n: int, ctx: 
     q = torch.randn(n, heads, dim, generator=g)
     got = cpu_attention.prompt_attention(q, k, v, slots, dim ** -0.5)
     assert got is not None
-    # over a bf16 cache both products take bf16 operands (queries and softmax numerators rounded to bf16, float32
-    # sums), as flash attention does on bf16 inputs: about bf16's precision, 2^-8 of the values' scale
-    tol = BF16_PRODUCTS if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 2e-6}
-    torch.testing.assert_close(got, prompt_reference(q, k, v, slots), **tol)
+    torch.testing.assert_close(got, prompt_reference(q, k, v, slots), **prompt_tolerance(cpu_variant, dtype))
 
 
-def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads() -> None:
+def test_prompt_kernel_gives_the_same_bits_on_any_number_of_threads(cpu_variant: object) -> None:
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(2048, KV, D, generator=g).bfloat16(), torch.randn(2048, KV, D, generator=g).bfloat16()
     slots, q = torch.randperm(2048, generator=g)[:900], torch.randn(300, H, D, generator=g)

@@ -3,8 +3,11 @@
 A kernel build that was killed (a server stopped with SIGKILL while it compiled) leaves torch's
 ``lock`` file behind, and torch's loader waits on that file forever: every later server hung
 "not ready". The build now runs under an ``flock`` that dies with its holder, clears such a file,
-and gives up (torch's operators serve) rather than wait forever on a live build. The kernel here is
-a tiny C-API module, so each build takes about a second.
+and gives up (torch's operators serve) rather than wait forever on a live build. The extension here
+is a tiny C-API module, so each build takes about a second. Each instruction-set variant of the
+kernels is its own library with its own flags (never ``-march=native``), built once and cached
+under a name that changes with its sources; and the kernels compile for aarch64 (the portable
+path, no x86 intrinsic outside its ``#if``) where Debian's cross compiler is installed.
 """
 
 from __future__ import annotations
@@ -131,3 +134,47 @@ def test_the_shipped_kernels_headers_are_part_of_the_digest() -> None:
     kernels = Path(cpu_extensions.__file__).parent
     assert sorted(p.name for p in kernels.glob("*.h")), "the kernels' headers ship beside them"
     assert len(headers_digest(kernels)) == 16
+
+
+def test_each_variant_has_its_own_flags_and_none_is_native() -> None:
+    assert cpu_extensions.variant_flags("portable", "x86_64")[0] == "-march=x86-64"
+    assert cpu_extensions.variant_flags("avx2", "x86_64")[0] == "-march=x86-64-v3"
+    assert cpu_extensions.variant_flags("avx512", "x86_64")[:2] == ("-march=x86-64-v4", "-mavx512bf16")
+    assert cpu_extensions.variant_flags("portable", "aarch64") == ("-march=armv8-a",)
+    assert cpu_extensions.variant_flags("portable", "riscv64") == ()
+    with pytest.raises(RuntimeError, match="for x86-64, not aarch64"):
+        cpu_extensions.variant_flags("avx2", "aarch64")
+    flags = [f for isa in ("portable", "avx2", "avx512") for f in cpu_extensions.variant_flags(isa, "x86_64")]
+    assert not any("native" in f for f in flags + list(cpu_extensions.COMMON_FLAGS))
+
+
+def test_a_variant_library_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    path = cpu_extensions.build_variant("portable")
+    assert path.name.startswith("mindie_host_kernels_portable-") and path.parent == build_root() / "kernels"
+    built = path.stat().st_mtime_ns
+    assert cpu_extensions.build_variant("portable") == path and path.stat().st_mtime_ns == built  # from the cache
+    assert [p.name for p in path.parent.iterdir() if p.suffix != ".flock"] == [path.name]  # no work files left
+    assert cpu_extensions.variant_library("avx2") != cpu_extensions.variant_library("portable")
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
+def test_the_kernels_build_and_answer_right_on_aarch64(tmp_path: Path) -> None:
+    """The portable variant as the server builds it for aarch64 (a shared library), and tests/cpu_kernels_check.cpp
+    built with the same sources and flags; where qemu-aarch64 is installed the check runs (each kernel against a
+    double-precision loop, and a low-bit row's bits alone and among others)."""
+    cross, flags = "aarch64-linux-gnu-g++", cpu_extensions.variant_flags("portable", "aarch64")
+    library = tmp_path / "kernels_aarch64.so"
+    cpu_extensions.compile_variant("portable", library, cross, flags)
+    header = library.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    here = Path(cpu_extensions.__file__).parent
+    check = tmp_path / "check"
+    sources = [str(here / source) for source in cpu_extensions.SOURCES]
+    subprocess.run([cross, *cpu_extensions.COMMON_FLAGS, *flags, "-static", *sources,
+                    str(Path(__file__).with_name("cpu_kernels_check.cpp")), "-o", str(check)], check=True)
+    if shutil.which("qemu-aarch64") is None:
+        pytest.skip("built for aarch64; no qemu-aarch64 to run the check (apt-get install qemu-user)")
+    run = subprocess.run(["qemu-aarch64", str(check)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "variant portable" in run.stdout and "FAIL" not in run.stdout, run.stdout

@@ -1,8 +1,9 @@
-"""Low-bit weights on CPU: a GGUF file's 4-bit groups and 8-bit blocks, read as they are for small products.
+"""Low-bit weights on CPU: a GGUF file's 4-bit groups and 8-bit blocks, read as they are.
 
-The file's values are the reference: the low-bit copies must stand for exactly those
-values, products of many rows must be bit-identical to ``quantization: "none"``, and
-products of few rows (bfloat16 activations) must stay within bfloat16 error of it.
+The file's values are the reference: the low-bit copies (4-bit groups and Q8_0's 8-bit blocks)
+must stand for exactly those values, products of many rows must be bit-identical to
+``quantization: "none"`` outside batch-invariant mode, and products of few rows (activations in
+the CPU profile's dtype) must stay within bfloat16 error of it.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ import numpy as np
 import pytest
 import torch
 
+from mindie_host.backends import cpu_matmul
 from mindie_host.backends.base import ModelInput
-from mindie_host.backends.linear import FourBitWeight, Int8Weight, LowBitWeight, PackedWeight, low_bit_kernels_available
+from mindie_host.backends.linear import FourBitWeight, Int8Weight, LowBitWeight, PackedWeight
 from mindie_host.backends.platform import Platform
 from mindie_host.backends.torch.backend import TorchBackend
 from mindie_host.config import ConfigError, config_from_dict
-from mindie_host.models.weights import FourBitGroups, iter_weights, load_arch, low_bit_matrices, resolve_model
+from mindie_host.models.weights import (
+    EightBitGroups,
+    FourBitGroups,
+    iter_weights,
+    load_arch,
+    low_bit_matrices,
+    resolve_model,
+)
 from mindie_host.testing import server_config
 
-pytestmark = pytest.mark.skipif(not low_bit_kernels_available(), reason="torch without CPU int4/int8 kernels")
+pytestmark = pytest.mark.skipif(cpu_matmul.kernel() is None, reason="no C++ compiler for the low-bit kernel")
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
 
@@ -102,7 +111,9 @@ def test_four_bit_groups_stand_for_exactly_the_files_values(tmp_path: Path, kind
     dense = dict(iter_weights(source, arch))
     four_bit = {k: v for k, v in stored.items() if isinstance(v, FourBitGroups)}
     assert len(four_bit) == 7 * LAYERS  # q, k, v, o, gate, up, down of every layer
-    assert stored["model.embed_tokens.weight"] == "int8"  # Q8_0
+    eight_bit = stored["model.embed_tokens.weight"]  # Q8_0
+    assert isinstance(eight_bit, EightBitGroups) and eight_bit.codes.dtype == np.int8
+    np.testing.assert_array_equal(eight_bit.dequantize(), dense["model.embed_tokens.weight"])
     for name, groups in four_bit.items():
         assert groups.codes.max() <= 15
         np.testing.assert_array_equal(groups.dequantize(), dense[name], err_msg=name)  # q/k rows un-permuted too
@@ -127,21 +138,23 @@ def test_hf_checkpoints_have_no_low_bit_matrices(tiny_model: Path) -> None:
 
 
 def test_low_bit_products_are_within_bfloat16_error_and_large_ones_are_dense(tmp_path: Path) -> None:
-    source = resolve_model(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    groups = low_bit_matrices(source)["model.layers.0.mlp.gate_proj.weight"]
-    assert isinstance(groups, FourBitGroups)
+    source = resolve_model(write_tiny_gguf(tmp_path / "tiny.gguf", embed_type="Q8_0"))
+    stored = low_bit_matrices(source)
+    groups, embed = stored["model.layers.0.mlp.gate_proj.weight"], stored["model.embed_tokens.weight"]
+    assert isinstance(groups, FourBitGroups) and isinstance(embed, EightBitGroups)
     weight = torch.from_numpy(groups.dequantize())
     four = FourBitWeight(groups, PackedWeight(weight))
-    eight = Int8Weight(weight)
-    for rows in (1, 3, LowBitWeight.max_rows):
+    eight_weight = torch.from_numpy(embed.dequantize())[:, :HIDDEN].contiguous()
+    eight = Int8Weight(EightBitGroups(embed.codes[:, :HIDDEN].copy(), embed.scale[:, : HIDDEN // 32].copy()),
+                       eight_weight)
+    for rows in (1, 3, Int8Weight.max_rows):
         x = torch.randn(rows, HIDDEN)
-        ref = x @ weight.T
-        tol = 0.02 * ref.abs().max().item()
-        assert (four(x) - ref).abs().max().item() < tol
-        assert (eight(x) - ref).abs().max().item() < 2 * tol
+        for low, w in ((four, weight), (eight, eight_weight)):
+            ref = x @ w.T
+            assert (low(x) - ref).abs().max().item() < 0.02 * ref.abs().max().item()
     x = torch.randn(LowBitWeight.max_rows + 1, HIDDEN)
     assert torch.equal(four(x), PackedWeight(weight)(x))  # above the threshold: the dense fp32 product
-    assert torch.equal(eight(x), torch.nn.functional.linear(x, weight))
+    assert torch.equal(eight(x), torch.nn.functional.linear(x, eight_weight))
 
 
 def test_auto_reads_the_files_low_bit_form_and_agrees_with_none(tmp_path: Path,

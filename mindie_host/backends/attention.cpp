@@ -3,21 +3,21 @@
 // decode_attention: one query token per sequence. Each (sequence, KV head) is one task (each query head, for one
 // or two sequences), computed start to end by one thread in a fixed order (scores over the context, softmax,
 // weighted sum of values), so a sequence's output does not depend on what else is in the batch: the
-// batch-invariant decode path of mindie_host/backends/platform.py calls it for every generated token.
+// batch-invariant decode path of mindie_host/backends/platform.py calls it for every generated token. Head dims
+// 64 and 128 take the vector paths (AVX-512, AVX2); every other head dim, and the portable variant, a plain loop.
 //
 // prompt_attention: the n prompt tokens of one sequence (a whole prompt or a chunk of one) over its context,
-// causally. Flash-style: a task is (KV head, block of 16 query rows) and walks the visible keys in blocks of 16
-// with a running maximum and sum, so only the keys a row can see are scored. Its query vectors sit one per float32
-// lane, so scores, softmax and the weighted sum of values are all lane-wise fused multiply-adds (no horizontal
-// sums, no transposed keys); the order of every reduction is fixed by the shapes alone, so the result is the same
-// whichever thread runs a task.
+// causally. Flash-style: a task is (KV head, block of 16 query rows) and walks the visible keys in blocks with a
+// running maximum and sum, so only the keys a row can see are scored. Its query vectors sit one per float32 lane,
+// so scores, softmax and the weighted sum of values are all lane-wise multiply-adds (no horizontal sums, no
+// transposed keys); the order of every reduction is fixed by the shapes alone, so the result is the same whichever
+// thread runs a task. One template serves every variant through its lane type (16 AVX-512 lanes, 8 AVX2 lanes, 8
+// plain lanes); any head dim that is a multiple of 8.
 //
-// Decode attention computes in float32. Prompt attention does too over a float32 cache; over a bfloat16 cache (on
-// CPUs with AVX512-BF16) its two products take bf16 operands with float32 sums, as flash attention does on bf16
-// inputs (bench/PERF.md: no measurable change in perplexity or agreement with the float32 model).
-// Built on first use by mindie_host/backends/cpu_attention.py (torch.utils.cpp_extension).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Both compute in float32. Over a bfloat16 cache with AVX512-BF16 (the avx512 variant), prompt attention's two
+// products take bf16 operands with float32 sums, as flash attention does on bf16 inputs (bench/PERF.md: no
+// measurable change in perplexity or agreement with the float32 model).
+#define MINDIE_HOST_KERNEL_SOURCE 1
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
@@ -26,63 +26,76 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "kernels.h"
 #include "vector_math.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using bf16 = uint16_t;  // a bfloat16 cache's elements, as bits
 
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return mh::bf16_to_float(x); }
+
+// -- decode attention, portable: any head dim, one KV head a task ------------------------------------------------
+
+// a . b for n floats: 8 lanes, then the lanes in a fixed order, then the tail
 inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] += a[i + j] * b[i + j];
+  float s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 inline void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 va = _mm512_set1_ps(a);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-#if defined(__AVX512F__)
-// 16 K/V values (dims c*16 .. c*16+15 of a row) as float32
-inline __m512 load16(const float* row, int c) { return _mm512_loadu_ps(row + c * 16); }
-inline __m512 load16(const at::BFloat16* row, int c) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// Query heads g0 .. g0 + GN of KV head h of one sequence (q and out at its first head).
+template <typename T>
+void task_portable(const float* q, const T* k, const T* v, const int64_t* idx, int64_t ctx, int64_t KV, int64_t G,
+                   int64_t D, int64_t h, int64_t g0, int64_t GN, float scale, std::vector<float>& scores,
+                   std::vector<float>& row, std::vector<float>& acc, float* out) {
+  const float* qb = q + (h * G + g0) * D;
+  scores.assign(GN * ctx, 0.f);
+  row.resize(D);
+  for (int64_t t = 0; t < ctx; ++t) {
+    load_row(k + (idx[t] * KV + h) * D, row.data(), D);
+    for (int64_t g = 0; g < GN; ++g) scores[g * ctx + t] = dot(qb + g * D, row.data(), D) * scale;
+  }
+  std::vector<float> total(GN);
+  for (int64_t g = 0; g < GN; ++g) {
+    float* sg = scores.data() + g * ctx;
+    float m = -FLT_MAX;
+    for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    total[g] = sum;
+  }
+  acc.assign(GN * D, 0.f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    load_row(v + (idx[t] * KV + h) * D, row.data(), D);
+    for (int64_t g = 0; g < GN; ++g) axpy(scores[g * ctx + t], row.data(), acc.data() + g * D, D);
+  }
+  for (int64_t g = 0; g < GN; ++g) {
+    float* o = out + (h * G + g0 + g) * D;
+    const float inv = 1.f / total[g];
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+  }
 }
 
+#if defined(MH_AVX512) || defined(MH_AVX2)
 // Ask for the cache lines of heads h0 .. h1 of the slots of tokens t0 .. t1 (the next chunk's rows: a paged
 // cache's blocks sit anywhere, which the hardware prefetcher cannot follow).
 template <typename T, int HINT = _MM_HINT_T0>
@@ -93,6 +106,10 @@ inline void prefetch_rows(const T* cache, const int64_t* idx, int64_t t0, int64_
     for (int64_t off = h0 * head_bytes; off < h1 * head_bytes; off += 64) _mm_prefetch(row + off, (_mm_hint)HINT);
   }
 }
+#endif
+
+#if defined(MH_AVX512)
+// -- decode attention, AVX-512: head dims 64 and 128 -------------------------------------------------------------
 
 // A K or V row of head dim 16 * ND as ND float32 vectors, in the kernel's dim order: float32 rows as stored;
 // bfloat16 rows as each 32-dim chunk's even dims then its odd dims (one 64-byte load, one shift and one mask
@@ -103,7 +120,7 @@ inline void load_row(const float* row, __m512* out) {
   for (int c = 0; c < ND; ++c) out[c] = _mm512_loadu_ps(row + c * 16);
 }
 template <int ND>
-inline void load_row(const at::BFloat16* row, __m512* out) {
+inline void load_row(const bf16* row, __m512* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int c = 0; c < ND; c += 2) {
     const __m512i raw = _mm512_loadu_si512(row + c * 16);
@@ -227,7 +244,7 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+      const __m512 e = mh::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
       _mm512_storeu_ps(sg + t, e);
       total = _mm512_add_ps(total, e);
     }
@@ -255,17 +272,147 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
     for (int64_t i = 0; i < D; ++i) o[row_dim<T>(i)] = acc[j * D + i] * inv[j];
   }
 }
+#endif  // MH_AVX512
+
+#if defined(MH_AVX2)
+// -- decode attention, AVX2: head dims 64 and 128 ----------------------------------------------------------------
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return mh::load_bf16x8(p); }
+
+// The sums of four vectors' lanes as the four lanes of one 128-bit vector: one fixed tree of additions.
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Scores of NG (1 to 3) query heads of KV head h, their scaled queries D floats apart at qs, over tokens t0 .. t1
+// in groups of four (a short last group repeats its last row), ``padded`` apart at sg.
+template <typename T, int ND, int NG>
+inline void score_heads8(const float* qs, const T* k, const int64_t* idx, int64_t t0, int64_t t1, int64_t KV,
+                         int64_t h, float* sg, int64_t padded) {
+  constexpr int64_t D = 8 * ND;
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int64_t n = std::min<int64_t>(4, t1 - t);
+    const T* kr[4];
+    for (int j = 0; j < 4; ++j) kr[j] = k + (idx[t + std::min<int64_t>(j, n - 1)] * KV + h) * D;
+    __m256 s[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) s[g][j] = _mm256_setzero_ps();
+    for (int c = 0; c < ND; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kc = load8(kr[j] + c * 8);
+        for (int g = 0; g < NG; ++g) s[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + c * 8), kc, s[g][j]);
+      }
+    for (int g = 0; g < NG; ++g) {
+      alignas(16) float four[4];
+      _mm_store_ps(four, sum4(s[g][0], s[g][1], s[g][2], s[g][3]));
+      for (int64_t j = 0; j < n; ++j) sg[g * padded + t + j] = four[j];
+    }
+  }
+}
+
+// Adds tokens t0 .. t1's V rows (dims c0 * 8 .. c0 * 8 + 31) of KV head h, weighted by NG (1 or 2) heads' softmax
+// numerators, to their accumulators (D apart at acc): each V chunk is read and converted once for both heads.
+template <typename T, int ND, int NG>
+inline void value_heads8(const float* sg, int64_t padded, const T* v, const int64_t* idx, int64_t t0, int64_t t1,
+                         int64_t KV, int64_t h, int c0, float* acc) {
+  constexpr int64_t D = 8 * ND;
+  __m256 o[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) o[g][c] = _mm256_loadu_ps(acc + g * D + (c0 + c) * 8);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vr = v + (idx[t] * KV + h) * D + c0 * 8;
+    __m256 vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = load8(vr + c * 8);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_set1_ps(sg[g * padded + t]);
+      for (int c = 0; c < 4; ++c) o[g][c] = _mm256_fmadd_ps(w, vv[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + (c0 + c) * 8, o[g][c]);
+}
+
+// One task with head dim 8 * ND, as task_vec of the AVX-512 path: query heads g0 .. g0 + GN of KV heads h0 .. h1 of
+// one sequence, tokens in chunks of 32; each head's arithmetic is the same whatever heads share the task.
+template <typename T, int ND>
+void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_t ctx, int64_t KV, int64_t G,
+              int64_t h0, int64_t h1, int64_t g0, int64_t GN, float scale, float* scores, float* acc, float* out) {
+  constexpr int64_t D = 8 * ND, CH = 32;
+  const int64_t padded = (ctx + 7) / 8 * 8, heads = (h1 - h0) * GN;
+  std::vector<float> qs(heads * D);  // each head's query, scaled
+  for (int64_t j = 0; j < heads; ++j) {
+    const float* qh = q + ((h0 + j / GN) * G + g0 + j % GN) * D;
+    for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qh[i] * scale;
+  }
+  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
+    const int64_t t1 = std::min(ctx, t0 + CH);
+    prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
+    prefetch_rows<T, _MM_HINT_T1>(v, idx, t0, t1, KV, h0, h1, D * sizeof(T));
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t gs = 0; gs < GN; gs += 3) {
+        const int64_t j = (h - h0) * GN + gs;
+        switch (std::min<int64_t>(3, GN - gs)) {
+          case 3: score_heads8<T, ND, 3>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
+          case 2: score_heads8<T, ND, 2>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
+          default: score_heads8<T, ND, 1>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
+        }
+      }
+  }
+  std::vector<float> inv(heads);
+  for (int64_t j = 0; j < heads; ++j) {
+    float* sg = scores + j * padded;
+    for (int64_t t = ctx; t < padded; ++t) sg[t] = -FLT_MAX;
+    __m256 mx = _mm256_set1_ps(-FLT_MAX);
+    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+    const __m256 m = _mm256_set1_ps(mh::reduce_max(mx));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 e = mh::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+      _mm256_storeu_ps(sg + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    inv[j] = 1.f / mh::reduce_add(total);
+  }
+  std::memset(acc, 0, heads * D * sizeof(float));
+  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
+    const int64_t t1 = std::min(ctx, t0 + CH);
+    prefetch_rows(v, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t gs = 0; gs < GN; gs += 2) {
+        const int64_t j = (h - h0) * GN + gs;
+        for (int c0 = 0; c0 < ND; c0 += 4) {
+          if (GN - gs >= 2)
+            value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+          else
+            value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+        }
+      }
+  }
+  for (int64_t j = 0; j < heads; ++j) {
+    const int64_t h = h0 + j / GN, g = g0 + j % GN;
+    float* o = out + (h * G + g) * D;
+    for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv[j];
+  }
+}
+#endif  // MH_AVX2
+
+#if defined(MH_AVX512)
+constexpr int64_t kVecLanes = 16;
+#elif defined(MH_AVX2)
+constexpr int64_t kVecLanes = 8;
 #endif
 
 template <typename T>
-void run(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* ctx_lens, float* out,
-         int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx, float scale) {
-  const int64_t G = H / KV, threads = at::get_num_threads();
+void decode_run(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* ctx_lens, float* out,
+                int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx, float scale) {
+  const int64_t G = H / KV, threads = mh::num_threads();
   // A task is a whole sequence (all its heads: each cache slot read once, in order) when there are at least two
   // sequences a thread; else a (sequence, KV head), whose G query heads share each K and V row; else (one or two
   // sequences) each query head on its own. Every head's arithmetic is the same code in the same order in all
   // three, so the output bits do not depend on the split.
-#if defined(__AVX512F__)
+#if defined(MH_AVX512) || defined(MH_AVX2)
   const bool vector = D == 64 || D == 128;
 #else
   const bool vector = false;
@@ -280,103 +427,168 @@ void run(const float* q, const T* k, const T* v, const int64_t* slots, const int
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a] > ctx_lens[b]; });
   const int64_t tasks = B * per_seq;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> row(D), scores, acc(HN * GN * D), total(GN);
+  mh::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> row, scores, acc;
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = order[task / per_seq], part = task % per_seq;
       const int64_t h0 = (part / (G / GN)) * HN, g0 = (part % (G / GN)) * GN;
       const int64_t ctx = ctx_lens[b];
       const int64_t* idx = slots + b * max_ctx;
-#if defined(__AVX512F__)
-      if (D == 64 || D == 128) {
-        scores.resize(HN * GN * ((ctx + 15) / 16 * 16));
+#if defined(MH_AVX512) || defined(MH_AVX2)
+      if (vector) {
+        scores.resize(HN * GN * ((ctx + kVecLanes - 1) / kVecLanes * kVecLanes));
+        acc.resize(HN * GN * D);
         if (D == 64)
-          task_vec<T, 4>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale, scores.data(), acc.data(),
-                         out + b * H * D);
+          task_vec<T, 64 / kVecLanes>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale,
+                                      scores.data(), acc.data(), out + b * H * D);
         else
-          task_vec<T, 8>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale, scores.data(), acc.data(),
-                         out + b * H * D);
+          task_vec<T, 128 / kVecLanes>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale,
+                                       scores.data(), acc.data(), out + b * H * D);
         continue;
       }
 #endif
-      const int64_t h = h0;  // the portable path: one KV head a task
-      const float* qb = q + (b * H + h * G + g0) * D;
-      scores.assign(GN * ctx, 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* kr = k + (idx[t] * KV + h) * D;
-        load_row(kr, row.data(), D);
-        for (int64_t g = 0; g < GN; ++g) scores[g * ctx + t] = dot(qb + g * D, row.data(), D) * scale;
-      }
-      for (int64_t g = 0; g < GN; ++g) {
-        float* sg = scores.data() + g * ctx;
-        float m = -FLT_MAX;
-        for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        total[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* vr = v + (idx[t] * KV + h) * D;
-        load_row(vr, row.data(), D);
-        for (int64_t g = 0; g < GN; ++g) {
-          axpy(scores[g * ctx + t], row.data(), acc.data() + g * D, D);
-        }
-      }
-      for (int64_t g = 0; g < GN; ++g) {
-        float* o = out + (b * H + h * G + g0 + g) * D;
-        const float inv = 1.f / total[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-      }
+      task_portable(q + b * H * D, k, v, idx, ctx, KV, G, D, h0, g0, GN, scale, scores, row, acc, out + b * H * D);
     }
   });
 }
 
+// -- prompt attention: one template, a lane type per variant ---------------------------------------------------------
+//
+// A lane type gives: L float32 lanes (one query vector each), KB keys per block (what fits the registers), and the
+// operations the walk needs, each lane on its own.
 
-#if defined(__AVX512F__)
-constexpr int64_t KB = 16;  // keys per block of prompt attention
-constexpr int64_t L = 16;   // query vectors a lane group (one per float32 lane)
+#if defined(MH_AVX512)
+struct Lanes {
+  static constexpr int L = 16, KB = 16, E = 16;  // lanes, keys per block, value dims per pass
+  using V = __m512;
+  using M = __mmask16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V x) { return mh::exp_nonpositive(x); }
+  static M ge(V a, float x) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(x), _CMP_GE_OQ); }
+  static M none() { return 0; }
+  static V masked_max(V acc, M m, V s) { return _mm512_mask_max_ps(acc, m, acc, s); }
+  static V maskz(M m, V v) { return _mm512_maskz_mov_ps(m, v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+};
+#elif defined(MH_AVX2)
+struct Lanes {
+  static constexpr int L = 8, KB = 8, E = 8;
+  using V = __m256;
+  using M = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V x) { return mh::exp_nonpositive(x); }
+  static M ge(V a, float x) { return _mm256_cmp_ps(a, _mm256_set1_ps(x), _CMP_GE_OQ); }
+  static M none() { return _mm256_setzero_ps(); }
+  static V masked_max(V acc, M m, V s) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, s), m); }
+  static V maskz(M m, V v) { return _mm256_and_ps(m, v); }
+  static float reduce_max(V v) { return mh::reduce_max(v); }
+};
+#else
+// Plain lanes: fixed-size loops the compiler turns into whatever vectors the target has (SSE2, NEON, ...), or not.
+struct Lanes {
+  static constexpr int L = 8, KB = 8, E = 8;
+  struct V {
+    float x[8];
+  };
+  struct M {
+    bool x[8];
+  };
+  template <typename F>
+  static V each(F f) {
+    V r;
+    for (int i = 0; i < L; ++i) r.x[i] = f(i);
+    return r;
+  }
+  static V zero() { return set1(0.f); }
+  static V set1(float x) { return each([&](int) { return x; }); }
+  static V load(const float* p) { return each([&](int i) { return p[i]; }); }
+  static void store(float* p, V v) {
+    for (int i = 0; i < L; ++i) p[i] = v.x[i];
+  }
+  static V fmadd(V a, V b, V c) { return each([&](int i) { return a.x[i] * b.x[i] + c.x[i]; }); }
+  static V mul(V a, V b) { return each([&](int i) { return a.x[i] * b.x[i]; }); }
+  static V add(V a, V b) { return each([&](int i) { return a.x[i] + b.x[i]; }); }
+  static V sub(V a, V b) { return each([&](int i) { return a.x[i] - b.x[i]; }); }
+  static V max(V a, V b) { return each([&](int i) { return a.x[i] > b.x[i] ? a.x[i] : b.x[i]; }); }
+  static V exp(V x) { return each([&](int i) { return std::exp(x.x[i]); }); }
+  static M ge(V a, float x) {
+    M m;
+    for (int i = 0; i < L; ++i) m.x[i] = a.x[i] >= x;
+    return m;
+  }
+  static M none() {
+    M m;
+    for (int i = 0; i < L; ++i) m.x[i] = false;
+    return m;
+  }
+  static V masked_max(V acc, M m, V s) {
+    return each([&](int i) { return m.x[i] && s.x[i] > acc.x[i] ? s.x[i] : acc.x[i]; });
+  }
+  static V maskz(M m, V v) { return each([&](int i) { return m.x[i] ? v.x[i] : 0.f; }); }
+  static float reduce_max(V v) {
+    float m = v.x[0];
+    for (int i = 1; i < L; ++i) m = v.x[i] > m ? v.x[i] : m;
+    return m;
+  }
+};
+#endif
 
-// The scores of a lane group's 16 query vectors (qt: [D][16], scaled) against KB keys (kf: [KB][D] float32):
-// s[j] holds key j's score in every lane. Each lane's sum runs over d in order.
-template <int ND>
-inline void group_scores(const float* qt, const float* kf, __m512* s) {
-  constexpr int64_t D = 16 * ND;
-  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+constexpr int64_t L = Lanes::L;
+constexpr int64_t KB = Lanes::KB;
+using V = Lanes::V;
+
+// The scores of a lane group's L query vectors (qt: [D][L], scaled) against KB keys (kf: [KB][D] float32): s[j]
+// holds key j's score in every lane. Each lane's sum runs over d in order.
+template <int DC>
+inline void group_scores(const float* qt, const float* kf, int64_t dim, V* s) {
+  const int64_t D = DC > 0 ? DC : dim;
+  for (int j = 0; j < KB; ++j) s[j] = Lanes::zero();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 qd = _mm512_loadu_ps(qt + d * L);
-    for (int j = 0; j < KB; ++j) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kf[j * D + d]), s[j]);
+    const V qd = Lanes::load(qt + d * L);
+    for (int j = 0; j < KB; ++j) s[j] = Lanes::fmadd(qd, Lanes::set1(kf[j * D + d]), s[j]);
   }
 }
 
 // The online softmax of a lane group over one block of KB keys (scores s): key k0 + j is seen by the lanes at
 // or after it (lane positions pv). Updates the group's running maximum and sum (at mx, sum), writes each key's
 // numerator to e (zero where unseen) and returns the factor the earlier numerators are rescaled by.
-inline __m512 block_softmax(__m512 pv, int64_t k0, int64_t count, const __m512* s, float* mx, float* sum,
-                            __m512* e) {
-  __mmask16 seen[KB];
-  __m512 bmax = _mm512_set1_ps(-FLT_MAX);
+inline V block_softmax(V pv, int64_t k0, int64_t count, const V* s, float* mx, float* sum, V* e) {
+  Lanes::M seen[KB];
+  V bmax = Lanes::set1(-FLT_MAX);
   for (int j = 0; j < KB; ++j) {
-    seen[j] = j < count ? _mm512_cmp_ps_mask(pv, _mm512_set1_ps(static_cast<float>(k0 + j)), _CMP_GE_OQ) : 0;
-    bmax = _mm512_mask_max_ps(bmax, seen[j], bmax, s[j]);
+    seen[j] = j < count ? Lanes::ge(pv, static_cast<float>(k0 + j)) : Lanes::none();
+    bmax = Lanes::masked_max(bmax, seen[j], s[j]);
   }
-  const __m512 m_old = _mm512_loadu_ps(mx), m_new = _mm512_max_ps(m_old, bmax);
-  const __m512 alpha = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
-  __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum), alpha);
+  const V m_old = Lanes::load(mx), m_new = Lanes::max(m_old, bmax);
+  const V alpha = Lanes::exp(Lanes::sub(m_old, m_new));
+  V total = Lanes::mul(Lanes::load(sum), alpha);
   for (int j = 0; j < KB; ++j) {
-    e[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(s[j], m_new)));
-    total = _mm512_add_ps(total, e[j]);
+    e[j] = Lanes::maskz(seen[j], Lanes::exp(Lanes::sub(s[j], m_new)));
+    total = Lanes::add(total, e[j]);
   }
-  _mm512_storeu_ps(mx, m_new);
-  _mm512_storeu_ps(sum, total);
+  Lanes::store(mx, m_new);
+  Lanes::store(sum, total);
   return alpha;
 }
 
 // A prompt task's outputs: each of its nv query vectors (rows from r0, G query heads of KV head h each) is its
-// lane's weighted sum of values (ot: [groups][D][16]) over its lane's running sum.
+// lane's weighted sum of values (ot: [groups][D][L]) over its lane's running sum.
 inline void write_rows(const float* ot, const float* sum, int64_t nv, int64_t r0, int64_t G, int64_t H, int64_t h,
                        int64_t D, float* out) {
   for (int64_t iv = 0; iv < nv; ++iv) {
@@ -387,40 +599,50 @@ inline void write_rows(const float* ot, const float* sum, int64_t nv, int64_t r0
   }
 }
 
-// ot[d] = ot[d] * alpha + sum_j pt[j] * vf[j][d] for every dim d, each lane its own query vector (ot: [D][16]).
-template <int ND>
-inline void group_values(const float* pt, const float* vf, int64_t count, __m512 alpha, float* ot) {
-  constexpr int64_t D = 16 * ND;
-  for (int c = 0; c < ND; ++c) {
-    __m512 o[16];
-    for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ot + (c * 16 + e) * L), alpha);
-    for (int64_t j = 0; j < count; ++j) {
-      const __m512 pj = _mm512_loadu_ps(pt + j * L);
-      const float* vr = vf + j * D + c * 16;
-      for (int e = 0; e < 16; ++e) o[e] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vr[e]), o[e]);
-    }
-    for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ot + (c * 16 + e) * L, o[e]);
+// ot[d] = ot[d] * alpha + sum_j pt[j] * vf[j][d] for every dim d, each lane its own query vector (ot: [D][L]),
+// Lanes::E dims at a time (D is a multiple of 8; with 16 dims a pass, a last pass of 8).
+template <int E>
+inline void value_dims(const float* pt, const float* vf, int64_t D, int64_t d0, int64_t count, V alpha, float* ot) {
+  V o[E];
+  for (int e = 0; e < E; ++e) o[e] = Lanes::mul(Lanes::load(ot + (d0 + e) * L), alpha);
+  for (int64_t j = 0; j < count; ++j) {
+    const V pj = Lanes::load(pt + j * L);
+    const float* vr = vf + j * D + d0;
+    for (int e = 0; e < E; ++e) o[e] = Lanes::fmadd(pj, Lanes::set1(vr[e]), o[e]);
+  }
+  for (int e = 0; e < E; ++e) Lanes::store(ot + (d0 + e) * L, o[e]);
+}
+
+template <int DC>
+inline void group_values(const float* pt, const float* vf, int64_t dim, int64_t count, V alpha, float* ot) {
+  const int64_t D = DC > 0 ? DC : dim;
+  int64_t d0 = 0;
+  for (; d0 + Lanes::E <= D; d0 += Lanes::E) value_dims<Lanes::E>(pt, vf, D, d0, count, alpha, ot);
+  if constexpr (Lanes::E > 8) {
+    if (d0 < D) value_dims<8>(pt, vf, D, d0, count, alpha, ot);
   }
 }
 
 // One task: query rows r0 .. r1 - 1 (positions ctx - n + r) of KV head h, with its G query heads each: nv query
-// vectors in lane groups of 16, each lane one vector (the layout makes the softmax's maximum and sum lane-wise).
+// vectors in lane groups of L, each lane one vector (the layout makes the softmax's maximum and sum lane-wise).
 // Keys are walked in blocks of KB, converted to float32 once for all groups; a group skips the blocks none of its
 // rows can see. A lane's arithmetic depends only on its own query and keys, in an order fixed by the shapes.
-template <typename T, int ND>
+// DC: the head dim when it is a compile-time constant (64, 128), else 0 (then ``dim``).
+template <typename T, int DC>
 void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t ctx, int64_t H,
-                 int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out, std::vector<float>& buf) {
-  constexpr int64_t D = 16 * ND;
+                 int64_t KV, int64_t dim, int64_t h, int64_t r0, int64_t r1, float scale, float* out,
+                 std::vector<float>& buf) {
+  const int64_t D = DC > 0 ? DC : dim;
   const int64_t G = H / KV, nv = (r1 - r0) * G, groups = (nv + L - 1) / L;
   buf.resize(groups * D * L * 2 + groups * L * 3 + 2 * KB * D + KB * L);
-  float* qt = buf.data();                 // [groups][D][16] scaled queries
-  float* ot = qt + groups * D * L;        // [groups][D][16] running weighted sums of values
-  float* mx = ot + groups * D * L;        // [groups][16] running maximum
-  float* sum = mx + groups * L;           // [groups][16] running sum of exponentials
-  float* pos = sum + groups * L;          // [groups][16] each lane's position (as float: exact below 2^24)
+  float* qt = buf.data();                 // [groups][D][L] scaled queries
+  float* ot = qt + groups * D * L;        // [groups][D][L] running weighted sums of values
+  float* mx = ot + groups * D * L;        // [groups][L] running maximum
+  float* sum = mx + groups * L;           // [groups][L] running sum of exponentials
+  float* pos = sum + groups * L;          // [groups][L] each lane's position (as float: exact below 2^24)
   float* kf = pos + groups * L;           // [KB][D] this block's keys
   float* vf = kf + KB * D;                // [KB][D] and values
-  float* pt = vf + KB * D;                // [KB][16] this block's exponentials for one group
+  float* pt = vf + KB * D;                // [KB][L] this block's exponentials for one group
   const int64_t first = ctx - n;          // position of query row 0
   for (int64_t i = 0; i < groups * L; ++i) {
     const int64_t iv = std::min(i, nv - 1);  // lanes past the last vector repeat it (finite, never written out)
@@ -434,35 +656,31 @@ void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, i
   std::memset(ot, 0, groups * D * L * sizeof(float));
   const int64_t last_key = first + r1 - 1;  // the last row's position: no row of the task sees past it
   for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {
-    const int64_t count = std::min(KB, last_key + 1 - k0);
+    const int64_t count = std::min<int64_t>(KB, last_key + 1 - k0);
     for (int64_t j = 0; j < KB; ++j) {
       if (j < count) {
-        const T* kr = k + (slots[k0 + j] * KV + h) * D;
-        const T* vr = v + (slots[k0 + j] * KV + h) * D;
-        for (int c = 0; c < ND; ++c) {
-          _mm512_storeu_ps(kf + j * D + c * 16, load16(kr, c));
-          _mm512_storeu_ps(vf + j * D + c * 16, load16(vr, c));
-        }
+        load_row(k + (slots[k0 + j] * KV + h) * D, kf + j * D, D);
+        load_row(v + (slots[k0 + j] * KV + h) * D, vf + j * D, D);
       } else {
         std::memset(kf + j * D, 0, D * sizeof(float));
         std::memset(vf + j * D, 0, D * sizeof(float));
       }
     }
     for (int64_t gr = 0; gr < groups; ++gr) {
-      const __m512 pv = _mm512_loadu_ps(pos + gr * L);
-      if (_mm512_reduce_max_ps(pv) < static_cast<float>(k0)) continue;  // no row of the group sees this block
-      __m512 s[KB];
-      group_scores<ND>(qt + gr * D * L, kf, s);
-      __m512 e[KB];
-      const __m512 alpha = block_softmax(pv, k0, count, s, mx + gr * L, sum + gr * L, e);
-      for (int j = 0; j < KB; ++j) _mm512_storeu_ps(pt + j * L, e[j]);
-      group_values<ND>(pt, vf, count, alpha, ot + gr * D * L);
+      const V pv = Lanes::load(pos + gr * L);
+      if (Lanes::reduce_max(pv) < static_cast<float>(k0)) continue;  // no row of the group sees this block
+      V s[KB];
+      group_scores<DC>(qt + gr * D * L, kf, D, s);
+      V e[KB];
+      const V alpha = block_softmax(pv, k0, count, s, mx + gr * L, sum + gr * L, e);
+      for (int j = 0; j < KB; ++j) Lanes::store(pt + j * L, e[j]);
+      group_values<DC>(pt, vf, D, count, alpha, ot + gr * D * L);
     }
   }
   write_rows(ot, sum, nv, r0, G, H, h, D, out);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(MH_AVX512)
 // The bfloat16-cache variant of prompt_task: the same walk, masks and float32 softmax, but both products are
 // AVX512-BF16 pair dot products accumulated in float32, as flash attention runs on bf16 inputs. Scores take the
 // scaled queries rounded to bfloat16 (pairs of dims per lane) against K rows read in place (a pair of dims is
@@ -470,8 +688,8 @@ void prompt_task(const float* q, const T* k, const T* v, const int64_t* slots, i
 // per lane) against each block's V rows interleaved by key pairs. Half the instructions of the float32 path,
 // and no conversion of keys. The running sums stay those of the float32 numerators.
 template <int ND>
-void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n,
-                      int64_t ctx, int64_t H, int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out,
+void prompt_task_bf16(const float* q, const bf16* k, const bf16* v, const int64_t* slots, int64_t n, int64_t ctx,
+                      int64_t H, int64_t KV, int64_t h, int64_t r0, int64_t r1, float scale, float* out,
                       std::vector<float>& buf) {
   constexpr int64_t D = 16 * ND, DP = D / 2, KP = KB / 2;
   const int64_t G = H / KV, nv = (r1 - r0) * G, groups = (nv + L - 1) / L;
@@ -484,8 +702,6 @@ void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16*
   uint32_t* vp = reinterpret_cast<uint32_t*>(pos + groups * L);             // [KP][D] V rows paired by key
   uint32_t* pp = vp + KP * D;                                               // [KP][16] numerators paired by key
   const int64_t first = ctx - n;
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   for (int64_t i = 0; i < groups * L; ++i) {
     const int64_t iv = std::min(i, nv - 1);
     const int64_t r = r0 + iv / G, g = iv % G;
@@ -504,18 +720,18 @@ void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16*
   const int64_t last_key = first + r1 - 1;
   for (int64_t k0 = 0; k0 <= last_key; k0 += KB) {
     const int64_t count = std::min(KB, last_key + 1 - k0);
-    const uint16_t* krow[KB];
-    for (int64_t j = 0; j < KB; ++j) krow[j] = kb + (slots[k0 + std::min(j, count - 1)] * KV + h) * D;
+    const bf16* krow[KB];
+    for (int64_t j = 0; j < KB; ++j) krow[j] = k + (slots[k0 + std::min(j, count - 1)] * KV + h) * D;
     for (int64_t jp = 0; jp < KP; ++jp) {  // V rows 2jp and 2jp + 1 interleaved: (v[2jp][d], v[2jp+1][d]) per d
       const int64_t j0 = 2 * jp, j1 = 2 * jp + 1;
       for (int c = 0; c < ND; ++c) {
         __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
         if (j0 < count)
           lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(vb + (slots[k0 + j0] * KV + h) * D + c * 16)));
+              reinterpret_cast<const __m256i*>(v + (slots[k0 + j0] * KV + h) * D + c * 16)));
         if (j1 < count)
           hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(vb + (slots[k0 + j1] * KV + h) * D + c * 16)));
+              reinterpret_cast<const __m256i*>(v + (slots[k0 + j1] * KV + h) * D + c * 16)));
         _mm512_storeu_si512(vp + jp * D + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
       }
     }
@@ -557,7 +773,7 @@ void prompt_task_bf16(const float* q, const at::BFloat16* k, const at::BFloat16*
   }
   write_rows(ot, sum, nv, r0, G, H, h, D, out);
 }
-#endif
+#endif  // MH_AVX512
 
 constexpr int64_t QB = 16;  // query rows per prompt-attention task
 
@@ -568,92 +784,54 @@ void prompt_run(const float* q, const T* k, const T* v, const int64_t* slots, in
   // Later row blocks see more keys: hand tasks out costliest first, to whichever thread is free. Which thread
   // runs a task does not change its arithmetic.
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+  mh::parallel_for(0, std::min<int64_t>(mh::num_threads(), tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t b = blocks - 1 - t / KV, h = t % KV;
       const int64_t r0 = b * QB, r1 = std::min(n, r0 + QB);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (D == 64)
+#if defined(MH_AVX512)
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (D == 64) {
           prompt_task_bf16<4>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
-        else
+          continue;
+        }
+        if (D == 128) {
           prompt_task_bf16<8>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
-        continue;
+          continue;
+        }
       }
 #endif
       if (D == 64)
-        prompt_task<T, 4>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+        prompt_task<T, 64>(q, k, v, slots, n, ctx, H, KV, D, h, r0, r1, scale, out, buf);
+      else if (D == 128)
+        prompt_task<T, 128>(q, k, v, slots, n, ctx, H, KV, D, h, r0, r1, scale, out, buf);
       else
-        prompt_task<T, 8>(q, k, v, slots, n, ctx, H, KV, h, r0, r1, scale, out, buf);
+        prompt_task<T, 0>(q, k, v, slots, n, ctx, H, KV, D, h, r0, r1, scale, out, buf);
     }
   });
 }
-#endif
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor slots, torch::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [B, H, D] float32");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [S, KV, D]");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.size(0) == q.size(0), "slots");
-  TORCH_CHECK(ctx_lens.scalar_type() == torch::kInt64 && ctx_lens.is_contiguous(), "ctx_lens");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % KV == 0, "head shapes");
-  auto out = torch::empty_like(q);
-  if (k_cache.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                      slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KV, D,
-                      slots.size(1), static_cast<float>(scale));
-  } else {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "caches: float32 or bfloat16");
-    run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
-               ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KV, D, slots.size(1),
-               static_cast<float>(scale));
-  }
-  return out;
+namespace mh {
+
+void decode_attention(const float* q, const void* k, const void* v, int kv_bf16, const int64_t* slots,
+                      const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx,
+                      float scale) {
+  if (kv_bf16)
+    decode_run(q, static_cast<const bf16*>(k), static_cast<const bf16*>(v), slots, ctx_lens, out, B, H, KV, D, max_ctx,
+               scale);
+  else
+    decode_run(q, static_cast<const float*>(k), static_cast<const float*>(v), slots, ctx_lens, out, B, H, KV, D,
+               max_ctx, scale);
 }
 
-bool prompt_attention_supported(int64_t head_dim) {
-#if defined(__AVX512F__)
-  return head_dim == 64 || head_dim == 128;
-#else
-  return false;
-#endif
+void prompt_attention(const float* q, const void* k, const void* v, int kv_bf16, const int64_t* slots, int64_t n,
+                      int64_t ctx, float* out, int64_t H, int64_t KV, int64_t D, float scale) {
+  if (kv_bf16)
+    prompt_run(q, static_cast<const bf16*>(k), static_cast<const bf16*>(v), slots, n, ctx, out, H, KV, D, scale);
+  else
+    prompt_run(q, static_cast<const float*>(k), static_cast<const float*>(v), slots, n, ctx, out, H, KV, D, scale);
 }
 
-torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                               double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [n, H, D] float32");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [S, KV, D]");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots: [ctx] int64");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1), ctx = slots.size(0);
-  TORCH_CHECK(k_cache.size(2) == D && H % KV == 0 && n <= ctx, "head shapes");
-  TORCH_CHECK(prompt_attention_supported(D), "prompt_attention: head dim 64 or 128 on AVX-512");
-  auto out = torch::empty_like(q);
-#if defined(__AVX512F__)
-  if (k_cache.scalar_type() == torch::kBFloat16) {
-    prompt_run<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                             slots.data_ptr<int64_t>(), n, ctx, out.data_ptr<float>(), H, KV, D,
-                             static_cast<float>(scale));
-  } else {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "caches: float32 or bfloat16");
-    prompt_run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                      slots.data_ptr<int64_t>(), n, ctx, out.data_ptr<float>(), H, KV, D, static_cast<float>(scale));
-  }
-#endif
-  return out;
-}
-
-// As a torch operator too, for compiled graphs to call without going through Python.
-TORCH_LIBRARY_FRAGMENT(mindie_host_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_lens, float scale) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(mindie_host_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention);
-  m.def("prompt_attention", &prompt_attention);
-  m.def("prompt_attention_supported", &prompt_attention_supported);
-}
+}  // namespace mh

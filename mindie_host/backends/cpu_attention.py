@@ -7,7 +7,7 @@ two thirds of a 64-sequence decode step. The kernel does every generated token o
 call, each (sequence, KV head) by one thread in a fixed order, reading the cache in place; its
 output for a sequence is the same whatever shares the step.
 
-It is built on first use (about 20 s, then cached: :mod:`~mindie_host.backends.cpu_extensions`);
+It is built with the other kernels (then cached: :mod:`~mindie_host.backends.cpu_extensions`);
 without a compiler, or with ``MINDIE_HOST_CPU_KERNELS=0``, decode attention stays on torch's
 operators (logged once).
 
@@ -25,16 +25,16 @@ from typing import Any
 
 import torch
 
-from .cpu_extensions import CppExtension, enabled
+from . import cpu_extensions
+from .cpu_extensions import enabled
 
 __all__ = ["decode_attention", "decode_attention_op", "enabled", "kernel", "loaded", "prompt_attention",
            "readable"]
 
 
-
 def kernel() -> Any:
-    """The built extension module, or None when it is off or cannot be built (tried once per process)."""
-    return _EXTENSION.get()
+    """The active CPU kernels (building them the first time), or None when they are off or cannot be built."""
+    return cpu_extensions.kernels()
 
 
 def readable(cache: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``[B, >= max context]`` int64 cache slots of each sequence's context; ``context_lens``: ``[B]`` int64.
     Returns ``[B, H, D]`` float32.
     """
-    mod = kernel()
+    mod = cpu_extensions.active("decode_attention")
     if mod is None or not readable(k_cache):
         return None
     return mod.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), context_lens, scale)
@@ -59,22 +59,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      scale: float) -> torch.Tensor | None:
     """Causal attention of one sequence's ``n`` newest tokens over its ``ctx`` cached tokens, or None when the
-    kernel is unavailable (no compiler, no AVX-512, a head dim other than 64 or 128).
+    kernel is unavailable (no compiler, kernels off, a head dim that is not a multiple of 8).
 
     ``q``: ``[n, H, D]`` (row ``r`` is the token at position ``ctx - n + r`` and sees keys ``0 .. ctx - n + r``);
     caches ``[slots, KV, D]`` (bfloat16 or float32, contiguous), already holding the new tokens' K and V;
     ``slots``: ``[ctx]`` int64 cache slots of the context in order. Returns ``[n, H, D]`` float32. Over a
-    bfloat16 cache on a CPU with AVX512-BF16, its products take bf16 operands with float32 sums.
+    bfloat16 cache with the avx512 kernels, its products take bf16 operands with float32 sums.
     """
-    mod = kernel()
-    if mod is None or not readable(k_cache) or not mod.prompt_attention_supported(q.shape[-1]):
+    mod = cpu_extensions.active("prompt_attention")
+    if mod is None or not readable(k_cache) or q.shape[-1] % 8:
         return None
     return mod.prompt_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(), scale)
 
 
 def loaded(cache: torch.Tensor) -> bool:
-    """Whether the kernel is already built and can read ``cache`` (never builds it: safe while tracing)."""
-    return _EXTENSION.module is not None and readable(cache)
+    """Whether decode attention is built and on, and can read ``cache`` (never builds it: safe while tracing)."""
+    return cpu_extensions.active("decode_attention") is not None and readable(cache)
 
 
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -84,12 +84,3 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     :func:`decode_attention`."""
     return torch.ops.mindie_host_cpu.decode_attention(q.float().contiguous(), k_cache, v_cache, slots.contiguous(),
                                                       context_lens.contiguous(), scale)
-
-
-def _decode_attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    return q.new_empty(q.shape, dtype=torch.float32)
-
-
-_EXTENSION = CppExtension("mindie_host_cpu_attention", "attention.cpp", "attention", fast_math=True,
-                          fakes={"mindie_host_cpu::decode_attention": _decode_attention_shape})

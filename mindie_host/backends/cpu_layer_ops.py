@@ -20,22 +20,18 @@ from typing import Any
 import torch
 
 from . import cpu_extensions
-from .cpu_extensions import CppExtension
 
 __all__ = ["add_rms_norm", "enabled", "kernel", "loaded", "rope"]
 
-_EXTENSION = CppExtension("mindie_host_layer_ops", "layer_ops.cpp", "layer operators",
-                          extra_flags=("-ffp-contract=off",))
-
 
 def kernel() -> Any:
-    """The built extension module, or None when it is off or cannot be built (tried once per process)."""
-    return _EXTENSION.get() if enabled() else None
+    """The active CPU kernels when this one may run (building them the first time), or None."""
+    return cpu_extensions.kernels() if enabled() else None
 
 
 def loaded() -> bool:
-    """Whether :func:`kernel` has built the module (never builds it)."""
-    return _EXTENSION.module is not None
+    """Whether the kernel is built and on (never builds it)."""
+    return enabled() and cpu_extensions.active("layer_ops") is not None
 
 
 def enabled() -> bool:
@@ -58,7 +54,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return None
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         return None
-    return _EXTENSION.module.add_rms_norm(x, residual, weight.contiguous(), eps)
+    return cpu_extensions.active("layer_ops").add_rms_norm(x, residual, weight.contiguous(), eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -72,5 +68,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return None
     if not all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k)):  # each row's heads contiguous
         return None
-    qo, ko = _EXTENSION.module.rope(q, k, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous())
+    qo, ko = cpu_extensions.active("layer_ops").rope(q, k, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous())
     return qo, ko

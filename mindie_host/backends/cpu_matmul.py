@@ -3,13 +3,18 @@
 torch's CPU int4 and int8 weight-only kernels read few bytes per weight, which is what a decode
 step of one or two sequences needs, but they run at 100-370 GFLOP/s whatever the row count, so a
 decode step of 16 to 64 sequences spends most of its time in them (bench/PERF.md). This kernel
-unpacks each tile of 32 output columns once per product into bfloat16 codes (exact: the codes are
-small integers) and runs every row over it with AVX512-BF16 dot products, applying the file's
-scales and offsets per group in float32: as fast as torch's kernel for one row, 2-4x faster at 16
-to 64 rows, and each row's result is the same bits at any row count (batch-invariant decoding).
+keeps the file's codes in tiles of 32 output columns and multiplies every row by them, each row's
+result the same bits at any row count (batch-invariant decoding):
 
-Needs AVX512-BF16 (checked when it is built). It is built on first use (then cached:
-:mod:`~mindie_host.backends.cpu_extensions`); otherwise torch's kernels serve.
+* avx512 kernels: bfloat16 activations against the exact codes with AVX512-BF16 dot products,
+  the file's scales and offsets applied per group in float32; as fast as torch's kernel for one
+  row, 2-4x faster at 16 to 64 rows;
+* avx2 and portable kernels (CPUs without native bfloat16): float32 activations against each weight
+  dequantized exactly (``code * scale + offset``) as the codes stream by, in float32 multiply-adds:
+  the reference's values, read at 4 or 8 bits; prompt rows run through it too (no float32 copy).
+
+It is built with the other kernels (then cached: :mod:`~mindie_host.backends.cpu_extensions`);
+otherwise torch's kernels serve.
 """
 
 from __future__ import annotations
@@ -18,37 +23,35 @@ from typing import Any
 
 import torch
 
-from .cpu_extensions import CppExtension, enabled
+from . import cpu_extensions
+from .cpu_extensions import enabled
 
-__all__ = ["LowBitTiles", "enabled", "kernel", "loaded"]
+__all__ = ["LowBitTiles", "activation_dtype", "enabled", "kernel", "loaded"]
 
 TILE = 32  # output columns per tile (lowbit_matmul.cpp's kTile)
 
 
-def _lowbit_matmul_shape(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, n: int,
-                         group_size: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n), dtype=torch.float32)
-
-
-_EXTENSION = CppExtension("mindie_host_lowbit_matmul", "lowbit_matmul.cpp", "low-bit matmul",
-                          fakes={"mindie_host_cpu::lowbit_matmul": _lowbit_matmul_shape},
-                          usable=lambda mod: bool(mod.available()))  # built without AVX512-BF16: torch's kernels
-
-
 def kernel() -> Any:
-    """The built extension module when it can run on this CPU, else None (built once per process)."""
-    return _EXTENSION.get()
+    """The active CPU kernels (building them the first time), or None."""
+    return cpu_extensions.kernels()
 
 
 def loaded() -> bool:
-    """Whether :func:`kernel` has built a usable kernel (never builds it: safe while tracing)."""
-    return _EXTENSION.module is not None
+    """Whether the low-bit product is built and on (never builds it: safe while tracing)."""
+    return cpu_extensions.active("lowbit_matmul") is not None
+
+
+def activation_dtype() -> torch.dtype:
+    """The dtype the active kernel's activations take (bfloat16 on the avx512 kernels, else float32)."""
+    mod = cpu_extensions.active("lowbit_matmul")
+    return torch.bfloat16 if mod is not None and mod.lowbit_takes_bfloat16 else torch.float32
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` in bfloat16 from a gated MLP's bfloat16 ``[M, 2I]`` ``[gate | up]`` product, with
-    float32 arithmetic and one rounding per element; None until the kernel is built."""
-    return _EXTENSION.module.silu_mul(gate_up.contiguous()) if loaded() else None
+    float32 arithmetic and one rounding per element; None when the kernel is not on."""
+    mod = cpu_extensions.active("silu_mul")
+    return mod.silu_mul(gate_up.contiguous()) if mod is not None else None
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
@@ -75,11 +78,8 @@ class LowBitTiles:
             self.codes = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [NT, K/2, 32]
         else:  # int8: a pair per column, the 32 columns in a row
             self.codes = pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], k // 2, 2 * TILE).contiguous()
-        #: the kernel multiplies 4-bit codes as 128 + code (exact in bfloat16, unpacked by bit operations):
-        #: their offsets take back the 128 * scale this adds
-        self.code_bias = 128.0 if codes.dtype == torch.uint8 else 0.0
         self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
-        self.offset = _tiles(offset.float() - self.code_bias * scale.float()).transpose(1, 2).contiguous()
+        self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
 
     @staticmethod
     def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
@@ -93,26 +93,32 @@ class LowBitTiles:
                            codes.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` in float32 for ``x [M, K]`` (rounded to bfloat16 first, as torch's low-bit kernels do)."""
+        """``x @ W.T`` in float32 for ``x [M, K]``, in the kernel's activation dtype (:func:`activation_dtype`)."""
         if x.shape[1] % 2:
             raise ValueError("K must be even")
-        x = x.to(torch.bfloat16).contiguous()
+        x = x.to(activation_dtype()).contiguous()
         if torch.compiler.is_compiling():  # the registered operator (C++ all the way; see lowbit_matmul.cpp)
             return torch.ops.mindie_host_cpu.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n,
                                                            self.group_size)
-        return _EXTENSION.module.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n, self.group_size)
+        return cpu_extensions.active("lowbit_matmul").lowbit_matmul(x, self.codes, self.scale, self.offset, self.n,
+                                                                    self.group_size)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes ``[N, K]`` (uint8 4-bit codes or int8), scales and offsets ``[N, K / group_size]`` back out of
+        the tiles."""
+        nt, half, _ = self.codes.shape
+        if self.codes.dtype == torch.uint8:
+            lo, hi = (self.codes & 15).permute(0, 2, 1), (self.codes >> 4).permute(0, 2, 1)  # [NT, 32, K/2]
+            codes = torch.stack([lo, hi], -1).reshape(nt * TILE, 2 * half)
+        else:
+            codes = self.codes.view(nt, half, TILE, 2).permute(0, 2, 1, 3).reshape(nt * TILE, 2 * half)
+        scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
+        offset = self.offset.transpose(1, 2).reshape(nt * TILE, -1)
+        return codes[: self.n], scale[: self.n], offset[: self.n]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight these tiles stand for (for tests)."""
-        nt, half, width = self.codes.shape
-        if self.codes.dtype == torch.uint8:
-            lo, hi = (self.codes & 15).permute(0, 2, 1), (self.codes >> 4).permute(0, 2, 1)  # [NT, 32, K/2]
-            codes = torch.stack([lo, hi], -1).reshape(nt * TILE, 2 * half).float()
-        else:
-            codes = self.codes.view(nt, half, TILE, 2).permute(0, 2, 1, 3).reshape(nt * TILE, 2 * half).float()
-        scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
-        offset = self.offset.transpose(1, 2).reshape(nt * TILE, -1)
-        groups = codes.view(nt * TILE, -1, self.group_size)
-        w = ((groups + self.code_bias) * scale[..., None] + offset[..., None]).view(nt * TILE, -1)
-        return w[: self.n]
+        codes, scale, offset = self.groups()
+        groups = codes.float().view(self.n, -1, self.group_size)
+        return (groups * scale[..., None] + offset[..., None]).view(self.n, -1)
 

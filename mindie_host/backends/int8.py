@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_matmul, cpu_profile
+from .cpu_matmul import LowBitTiles
+
 #: the int8 code range used for symmetric weights and activations
 QMAX = 127
 
@@ -112,10 +115,14 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_mm_available(device: torch.device) -> bool:
-    """Whether torch has an int8 x int8 -> int32 product for this device (``MINDIE_HOST_INT_MM=0`` turns it off)."""
+    """Whether torch has an int8 x int8 -> int32 product for this device and runs it natively: on CPU only with
+    VNNI or AVX2's 8-bit multiply-add (:attr:`CpuProfile.int8_products
+    <mindie_host.backends.cpu_profile.CpuProfile.int8_products>`). ``MINDIE_HOST_INT_MM=0`` turns it off."""
     if os.environ.get("MINDIE_HOST_INT_MM", "1") == "0" or not hasattr(torch, "_int_mm"):
         return False
-    return device.type in ("cpu", "cuda")
+    if device.type == "cpu":
+        return cpu_profile.profile().int8_products is not None
+    return device.type == "cuda"
 
 
 def int8_product(xq: torch.Tensor, wt: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
@@ -161,10 +168,12 @@ class QuantizedWeight(ABC):
 class W8A16Weight(QuantizedWeight):
     """int8 weights, one scale per output channel; activations in 16-bit floating point.
 
-    On CPU, products of at most :attr:`kernel_rows` rows (decode) run ``_weight_int8pack_mm``
-    on bfloat16 activations: it reads the int8 codes and scales each output. Larger products
-    (prefill, big batches), and every product on other devices, widen the codes to the
-    activations' dtype and run the dense GEMM (``(x @ q.T) * scale`` is the same sum).
+    On CPU, products of at most :attr:`kernel_rows` rows (decode) read the int8 codes and scale
+    each output: this package's low-bit kernel when it is on (:mod:`~mindie_host.backends.cpu_matmul`),
+    else ``_weight_int8pack_mm``; the activations are rounded to the CPU profile's compute dtype
+    (bfloat16 with native bf16, else float32). Larger products (prefill, big batches), and every
+    product on other devices, widen the codes to the activations' dtype and run the dense GEMM
+    (``(x @ q.T) * scale`` is the same sum).
     """
 
     #: up to this many rows the int8 kernel beats widening the codes for a dense product
@@ -175,17 +184,21 @@ class W8A16Weight(QuantizedWeight):
         m = matrix.symmetric()
         self.codes = m.codes.to(device).contiguous()
         self.scale = m.scale.to(device=device, dtype=torch.float32)
-        self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.packed_kernel = device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        self.act_dtype = cpu_profile.profile().compute_dtype if device.type == "cpu" else torch.bfloat16
+        self.scale_act = self.scale.to(self.act_dtype)
+        self.tiles = (LowBitTiles.per_channel(self.codes, self.scale)
+                      if device.type == "cpu" and cpu_matmul.loaded() else None)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.scale.numel()
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and x.shape[0] <= self.kernel_rows and cpu_matmul.loaded():
+            return self.tiles(x)
         if self.packed_kernel and x.shape[0] <= self.kernel_rows:
-            # the kernel's fast path takes bfloat16 activations (its float32 path is a slow reference loop)
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.codes, self.scale_bf16)
+            return torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype).contiguous(), self.codes, self.scale_act)
         return F.linear(x, self.codes.to(x.dtype)) * self.scale.to(x.dtype)
 
 

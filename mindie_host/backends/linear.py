@@ -5,31 +5,34 @@ turns each ``[out, in]`` weight into one of these, and :meth:`Platform.linear` c
 
 - :class:`PackedWeight`: fp32, plus MKL-packed copies for the 8-64 row products of batched decode;
 - :class:`FourBitWeight`: a matrix the GGUF file stores as 4-bit groups (Q4_0, Q4_1), read
-  as those groups by torch's int4 kernel for products of few rows;
-- :class:`Int8Weight`: a matrix the file stores as 8-bit (Q8_0), read as int8 per output
-  channel by torch's weight-only int8 kernel for products of few rows.
+  as those groups by this package's low-bit kernel (:mod:`~mindie_host.backends.cpu_matmul`);
+- :class:`Int8Weight`: a matrix the file stores as 8-bit groups (Q8_0), read the same way;
+- :class:`ReferenceWeight`: a low-bit matrix when that kernel is off: the file's values in float32,
+  multiplied as the kernel multiplies them.
 
 Decode of few sequences on CPU is bound by reading weights, so bytes per weight decide
-the speed of one-row products; products of many rows are bound by arithmetic, so the
-low-bit formats keep a dense copy for those: bfloat16 for the prompt rows of the default
-batch-invariant mode (:class:`PromptRows`), MKL's fp32 otherwise. Activations stay in floating point (bfloat16 for the low-bit kernels):
-int8 activations cost too much accuracy on small models (bench/PERF.md).
+the speed of one-row products; products of many rows are bound by arithmetic. On a CPU with
+native bfloat16 (:mod:`~mindie_host.backends.cpu_profile`) the low-bit formats keep a bfloat16
+copy for the prompt rows of the default batch-invariant mode (:class:`PromptRows`); elsewhere
+prompt rows run through the low-bit kernel too, in float32 (bf16 products there run on a
+reference path at a fraction of float32's rate). Outside batch-invariant mode a dense MKL fp32
+copy serves products of many rows. Activations stay in floating point (the profile's compute
+dtype: bfloat16 or float32): int8 activations cost too much accuracy on small models (bench/PERF.md).
 """
 
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_matmul
+from . import cpu_extensions, cpu_matmul, cpu_profile
 from .cpu_matmul import LowBitTiles
 
 if TYPE_CHECKING:
-    from ..models.weights import FourBitGroups
+    from ..models.weights import EightBitGroups, FourBitGroups
 
 
 def mkl_packing_available() -> bool:
@@ -40,14 +43,8 @@ def mkl_packing_available() -> bool:
 
 
 def low_bit_kernels_available() -> bool:
-    """Whether torch has its CPU int4-group and int8 weight-only products (``MINDIE_HOST_LOW_BIT=0`` turns them off)."""
-    if os.environ.get("MINDIE_HOST_LOW_BIT", "1") == "0":
-        return False
-    aten = torch.ops.aten
-    return all(
-        hasattr(aten, op)
-        for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm")
-    )
+    """Whether the file's low-bit forms are used (``MINDIE_HOST_LOW_BIT=0`` serves every matrix dense in fp32)."""
+    return os.environ.get("MINDIE_HOST_LOW_BIT", "1") != "0"
 
 
 def batch_invariant() -> bool:
@@ -62,9 +59,9 @@ def batch_invariant() -> bool:
 
 
 def prompt_bf16_enabled() -> bool:
-    """Whether a low-bit matrix multiplies prompt tokens in bfloat16 (the default; ``MINDIE_HOST_PROMPT_BF16=0``
-    keeps the low-bit kernel for them too). See :class:`PromptRows`."""
-    return os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0"
+    """Whether a low-bit matrix multiplies prompt tokens in bfloat16: on CPUs with native bfloat16 (the avx512
+    profile), unless ``MINDIE_HOST_PROMPT_BF16=0`` keeps the low-bit kernel for them too. See :class:`PromptRows`."""
+    return os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0" and cpu_profile.profile().native_bf16
 
 
 class PromptRows:
@@ -122,7 +119,8 @@ def _bf16_gated(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRow
     """Whether a gated MLP's prompt rows stay in bfloat16 between its two products (see :func:`bf16_gated_mlp`)."""
     return (prompt_rows is not None and x.dim() == 2 and isinstance(gate_up, LowBitWeight)
             and isinstance(down, LowBitWeight) and gate_up.dense is None and down.dense is None
-            and gate_up.prompt_weight is not None and down.prompt_weight is not None and cpu_matmul.loaded())
+            and gate_up.prompt_weight is not None and down.prompt_weight is not None and cpu_matmul.loaded()
+            and cpu_extensions.active("silu_mul") is not None)
 
 
 def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: PromptRows | None) -> torch.Tensor | None:
@@ -146,8 +144,8 @@ def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: Prompt
         return out_prompt.to(x.dtype)
     out = x.new_empty(x.shape[0], down.shape[0])
     out[prompt_rows.prompt_rows] = out_prompt
-    gate, up = gate_up.small_product(x[prompt_rows.generated_rows].to(torch.bfloat16)).chunk(2, dim=-1)
-    out[prompt_rows.generated_rows] = down.small_product((F.silu(gate) * up).to(torch.bfloat16))
+    gate, up = gate_up.small_product(x[prompt_rows.generated_rows]).chunk(2, dim=-1)
+    out[prompt_rows.generated_rows] = down.small_product(F.silu(gate) * up)
     return out
 
 
@@ -198,12 +196,12 @@ class PackedWeight:
         return out[:rows] if bucket != rows else out
 
 
-class LowBitWeight(ABC):
+class LowBitWeight:
     """A weight with a low-bit copy for products of at most ``max_rows`` rows and a dense one for the rest.
 
-    Subclasses say how the low-bit copy is made and multiplied by torch (:meth:`torch_product`).
-    Both copies hold the model file's values; the low-bit kernels take bfloat16
-    activations and return float32 here.
+    The low-bit copy is in this package's kernel's layout (:attr:`tiles`); subclasses say how it is made from the
+    model file. Activations are rounded to the CPU profile's compute dtype (:attr:`act_dtype`) and products return
+    float32 here. Without the kernel (turned off after load), :meth:`fallback_product` multiplies the same values.
     """
 
     #: up to this many rows the low-bit kernels are at least as fast as MKL's packed fp32 product (bench/PERF.md)
@@ -215,6 +213,9 @@ class LowBitWeight(ABC):
         self._shape = shape if shape is not None else dense.shape
         #: batch-invariant mode: a bfloat16 copy for prompt rows (:class:`PromptRows`), or None
         self.prompt_weight: torch.Tensor | None = None
+        #: the dtype activations are rounded to (the CPU profile's: bfloat16 with native bf16, else float32)
+        self.act_dtype = cpu_profile.profile().compute_dtype
+        self._dequantized: torch.Tensor | None = None
 
     def keep_prompt_copy(self, weight: torch.Tensor) -> None:
         """Keep ``weight`` (the file's values, dense) in bfloat16 for the prompt rows of batch-invariant steps."""
@@ -224,19 +225,22 @@ class LowBitWeight(ABC):
     def shape(self) -> torch.Size:
         return self._shape
 
-    #: the same codes in this package's kernel's layout (:mod:`~mindie_host.backends.cpu_matmul`), or None
+    #: the codes in this package's kernel's layout (:mod:`~mindie_host.backends.cpu_matmul`), or None
     tiles: LowBitTiles | None = None
 
     def small_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` from the low-bit copy, for bfloat16 ``x``: the package's kernel once it is built (any row
-        count), torch's kernel otherwise."""
+        """``x @ W.T`` from the low-bit copy, ``x`` rounded to :attr:`act_dtype`: the package's kernel when it is on
+        (any row count), :meth:`fallback_product` otherwise."""
         if self.tiles is not None and cpu_matmul.loaded():
-            return self.tiles(x)
-        return self.torch_product(x)
+            return self.tiles(x.to(self.act_dtype))
+        return self.fallback_product(x.to(self.act_dtype).contiguous())
 
-    @abstractmethod
-    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` from the low-bit copy, for bfloat16 ``x`` of few rows."""
+    def fallback_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in float32 without the kernel: the tiles' exact values, dequantized once and kept."""
+        if self._dequantized is None:
+            assert self.tiles is not None
+            self._dequantized = self.tiles.dequantize()
+        return F.linear(x.float(), self._dequantized)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  prompt_rows: PromptRows | None = None) -> torch.Tensor:
@@ -244,12 +248,12 @@ class LowBitWeight(ABC):
             if prompt_rows is not None and self.prompt_weight is not None and x.dim() == 2:
                 out = self._by_kind(x, prompt_rows)
             else:
-                out = self.small_product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(x.dtype)
+                out = self.small_product(x.reshape(-1, x.shape[-1])).to(x.dtype)
                 out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if bias is None else out + bias
         if x.dim() != 2 or x.shape[0] > self.max_rows:
             return apply_linear(self.dense, x, bias)
-        out = self.small_product(x.to(torch.bfloat16)).to(x.dtype)
+        out = self.small_product(x).to(x.dtype)
         return out if bias is None else out + bias
 
 
@@ -261,54 +265,44 @@ class LowBitWeight(ABC):
         assert rows.prompt_rows is not None and rows.generated_rows is not None
         out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
         out[rows.prompt_rows] = F.linear(x[rows.prompt_rows].to(torch.bfloat16), self.prompt_weight)
-        out[rows.generated_rows] = self.small_product(x[rows.generated_rows].to(torch.bfloat16))
+        out[rows.generated_rows] = self.small_product(x[rows.generated_rows])
         return out
 
 
 class FourBitWeight(LowBitWeight):
-    """The file's 4-bit groups, multiplied by ``_weight_int4pack_mm_for_cpu``.
+    """The file's 4-bit groups (Q4_0, Q4_1), multiplied by this package's kernel.
 
-    The kernel reads half a byte per weight: a one-row product of the default model's
-    30 layers takes 4.6 ms instead of 15.8 ms in fp32 on two AVX-512 cores.
+    It reads half a byte per weight: a one-row product of the default model's 30 layers takes
+    4.6 ms instead of 15.8 ms in fp32 on two AVX-512 cores.
     """
 
     def __init__(self, groups: FourBitGroups, dense: Any) -> None:
         super().__init__(dense, torch.Size(groups.codes.shape))
-        codes = torch.from_numpy(groups.codes).to(torch.int32).contiguous()
-        scale = torch.from_numpy(groups.scale)
-        zero = torch.from_numpy(groups.offset) + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.group_size = groups.group_size
-        #: the same codes for this package's own kernel (:mod:`~mindie_host.backends.cpu_matmul`)
-        self.tiles = (LowBitTiles.four_bit(codes, scale, torch.from_numpy(groups.offset), groups.group_size)
-                      if cpu_matmul.enabled() else None)
-
-    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        self.tiles = LowBitTiles.four_bit(torch.from_numpy(groups.codes), torch.from_numpy(groups.scale),
+                                          torch.from_numpy(groups.offset), groups.group_size)
 
 
 class Int8Weight(LowBitWeight):
-    """int8 codes with one scale per output channel, multiplied by ``_weight_int8pack_mm``.
+    """The file's 8-bit groups (Q8_0: int8 codes and a scale per 32 inputs), multiplied by this package's kernel.
 
-    For matrices the file stores as 8-bit blocks (Q8_0, such as the default model's
-    tied embedding / LM head): re-grouping the blocks per channel moves each weight by
-    at most half a step of its row's scale. A one-row LM-head product takes 1.3 ms
-    instead of 2.2 ms in fp32; from 8 rows on, MKL's packed fp32 product is faster.
+    For matrices the file stores as 8-bit blocks, such as the default model's tied embedding / LM
+    head: the exact values at a byte per weight (and a scale per 32).
     """
 
     max_rows = 4
 
-    def __init__(self, dense: Any, keep_dense: bool = True) -> None:
-        super().__init__(dense)
-        weight = dense.weight if isinstance(dense, PackedWeight) else dense
-        if not keep_dense:
-            self.dense = None
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
-        self.codes = torch.round(weight / scale[:, None]).to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16)
-        #: the same codes for this package's own kernel (:mod:`~mindie_host.backends.cpu_matmul`)
-        self.tiles = LowBitTiles.per_channel(self.codes, self.scale) if cpu_matmul.enabled() else None
+    def __init__(self, groups: EightBitGroups, dense: Any) -> None:
+        super().__init__(dense, torch.Size(groups.codes.shape))
+        codes = torch.from_numpy(groups.codes)
+        scale = torch.from_numpy(groups.scale)
+        self.tiles = LowBitTiles(codes, scale, torch.zeros_like(scale), groups.group_size)
 
-    def torch_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
+class ReferenceWeight(LowBitWeight):
+    """A low-bit matrix without the low-bit kernel: the file's exact values dense in float32, generated rows
+    multiplied as the kernel multiplies them (activations rounded to the profile's dtype, float32 sums), prompt rows
+    through the bfloat16 copy as with the kernel."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(None, weight.shape)
+        self._dequantized = weight

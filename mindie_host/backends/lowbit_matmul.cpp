@@ -1,49 +1,59 @@
 // x @ W.T on CPU for a weight stored as low-bit codes in groups, for any row count: 4-bit codes (GGUF Q4_0 /
 // Q4_1) or 8-bit ones with a scale per output channel (one group of the whole row).
 //
-// W[n, k] = code[n, k] * scale[n, k / gs] + offset[n, k / gs]. The output is computed per group:
+// W[n, k] = code[n, k] * scale[n, k / gs] + offset[n, k / gs], kept in tiles of 32 output columns with the codes in
+// pairs along k (4-bit: both codes of a pair in one byte, low nibble first; 8-bit: a pair of int8 per column).
+// Every output element is reduced in the same order whatever the row count and however the columns are split
+// across threads, so a row's result does not depend on the other rows of the product (the batch-invariant decode
+// path of mindie_host/backends/linear.py relies on it). Two arithmetics, by variant:
+//
+// avx512 (AVX512-BF16): bfloat16 activations. Per group, the inner sums are AVX512-BF16 dot products of the
+// activations with the file's exact codes (4-bit ones as 128 + code, exact in bfloat16 and unpacked by bit
+// operations; the 128 * sum(x) this adds is taken back through the offset), accumulated in float32, then
 //   out[m, n] = sum over groups g of  scale[n, g] * (sum over k in g of x[m, k] * code[n, k])
 //                                    + offset[n, g] * (sum over k in g of x[m, k])
-// The codes (4-bit ones as 128 + code, see unpack_int4; 8-bit ones as they are) are exact in bfloat16, so the inner sums are AVX512-BF16 dot products of
-// the bfloat16 activations with the file's exact codes, accumulated in float32: no weight is
-// rounded. Every output element is reduced in the same order whatever the row count and however
-// the columns are split across threads, so a row's result does not depend on the other rows of
-// the product (the batch-invariant decode path of mindie_host/backends/linear.py relies on it).
+// Each tile's codes are unpacked once into a bfloat16 buffer (pairs of consecutive k per column, the layout
+// VDPBF16PS takes), then every block of up to 6 rows streams over it; one or two rows unpack in registers.
 //
-// Work is split by tiles of 32 output columns. Each tile's codes are unpacked once into a
-// bfloat16 buffer (pairs of consecutive k per column, the layout VDPBF16PS takes), then every
-// block of up to 6 rows streams over it: one product of many rows reads the weights once.
+// avx2 and portable: float32 activations, for CPUs without native bfloat16. Each weight is dequantized to float32
+// exactly as the file means it (code * scale + offset, one fused rounding with FMA), and each output is one chain
+// of multiply-adds over k in order. Products of one or two rows dequantize in registers as the codes stream by (the
+// weights are read once, in their low-bit form); more rows dequantize a tile's block of k once into a small
+// buffer that every block of three rows then streams over (an FMA-bound micro-kernel): the same values in the
+// same order, so the same bits. The portable variant is the same arithmetic in plain C++ (multiply, then add).
+//
 // silu_mul: the gated MLP's activation between the prompt rows' two bfloat16 products (linear.bf16_gated_mlp).
-// Built on first use by mindie_host/backends/cpu_matmul.py (torch.utils.cpp_extension).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#define MINDIE_HOST_KERNEL_SOURCE 1
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define MINDIE_LOWBIT_KERNEL 1
-#endif
+
+#include "kernels.h"
 #include "vector_math.h"
 
 namespace {
 
-constexpr int64_t kTile = 32;  // output columns per tile: two 16-lane vectors
-
-#if defined(MINDIE_LOWBIT_KERNEL)
+constexpr int64_t kTile = 32;  // output columns per tile
 
 // Ask for the cache lines of ``bytes`` bytes at p.
 inline void prefetch(const void* p, int64_t bytes) {
+#if defined(MH_AVX512) || defined(MH_AVX2)
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
+
+#if defined(MH_AVX512)
+// -- avx512: bfloat16 pair dot products ---------------------------------------------------------------------------
 
 // Unpack one tile's 4-bit codes ([P][32] bytes: low nibble k = 2p, high nibble k = 2p + 1) into bf16 pairs
 // of 128 + code: 0x4300 | code is exactly that number in bfloat16, so the unpacking is integer bit
-// operations only. The 128 * sum(x) this adds to each group's dot product is taken back through the
-// offset (lowbit_matmul subtracts 128 * scale from it).
+// operations only.
 inline __m512i int4_pairs16(const uint8_t* codes) {  // 16 columns' bytes -> their 16 bf16 pairs
   __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   v = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));  // low code at bits 0-3, high code at bits 16-19
@@ -87,15 +97,16 @@ inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, 
 // Rows x[0 .. MR) times TN consecutive tiles (their unpacked codes one after another in buf, P pairs each).
 // Every output element is reduced the same way whatever MR and TN are: per group, a chain of dot
 // products over its pairs, then scale and offset applied in float32. Larger MR * TN only gives the
-// core more independent chains to overlap.
+// core more independent chains to overlap. ``bias`` is what the unpacking adds to each code (128 or 0).
 template <int MR, int TN, Source S = Source::kBuffer>
 inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_t G, const void* src,
                        const float* scale, const float* offset, int64_t PG, float* out, int64_t N, int64_t n0,
-                       int64_t tile_bytes = 0) {
+                       float bias, int64_t tile_bytes = 0) {
   constexpr int V = 2 * TN;  // 16-column vectors per row
   __m512 res[MR][V];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < V; ++j) res[r][j] = _mm512_setzero_ps();
+  const __m512 bv = _mm512_set1_ps(bias);
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[MR][V];
     for (int r = 0; r < MR; ++r)
@@ -111,7 +122,7 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
     for (int j = 0; j < V; ++j) {
       const float* st = scale + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
       const float* ot = offset + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
-      const __m512 sv = _mm512_loadu_ps(st), ov = _mm512_loadu_ps(ot);
+      const __m512 sv = _mm512_loadu_ps(st), ov = _mm512_fnmadd_ps(bv, sv, _mm512_loadu_ps(ot));
       for (int r = 0; r < MR; ++r)
         res[r][j] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[r * G + g]), _mm512_fmadd_ps(acc[r][j], sv, res[r][j]));
     }
@@ -130,17 +141,17 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
 template <Source S>
 void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const void* src,
                 int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
-                int64_t n0) {
+                int64_t n0, float bias) {
   const uint8_t* tiles = static_cast<const uint8_t*>(src);
   if (M <= 2) {
     for (int64_t m = 0; m < M; ++m) {
       if (tn == 4) {
-        rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, tiles, st, ot, PG, out + m * N, N, n0, tile_bytes);
+        rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, tiles, st, ot, PG, out + m * N, N, n0, bias, tile_bytes);
         continue;
       }
       for (int64_t j = 0; j < tn; ++j)
         rows_block<1, 1, S>(x32 + m * P, P, xsum + m * G, G, tiles + j * tile_bytes, st + j * G * kTile,
-                            ot + j * G * kTile, PG, out + m * N, N, n0 + j * kTile, tile_bytes);
+                            ot + j * G * kTile, PG, out + m * N, N, n0 + j * kTile, bias, tile_bytes);
     }
     return;
   }
@@ -151,34 +162,21 @@ void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, in
     const int64_t nj = n0 + j * kTile;
     int64_t m = 0;
     for (; m + 6 <= M; m += 6)
-      rows_block<6, 1, S>(x32 + m * P, P, xsum + m * G, G, w, s, o, PG, out + m * N, N, nj, tile_bytes);
+      rows_block<6, 1, S>(x32 + m * P, P, xsum + m * G, G, w, s, o, PG, out + m * N, N, nj, bias, tile_bytes);
     const uint32_t* xr = x32 + m * P;
     const float* xs = xsum + m * G;
     float* om = out + m * N;
     switch (M - m) {
-      case 5: rows_block<5, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
-      case 4: rows_block<4, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
-      case 3: rows_block<3, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
-      case 2: rows_block<2, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
-      case 1: rows_block<1, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, tile_bytes); break;
+      case 5: rows_block<5, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, bias, tile_bytes); break;
+      case 4: rows_block<4, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, bias, tile_bytes); break;
+      case 3: rows_block<3, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, bias, tile_bytes); break;
+      case 2: rows_block<2, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, bias, tile_bytes); break;
+      case 1: rows_block<1, 1, S>(xr, P, xs, G, w, s, o, PG, om, N, nj, bias, tile_bytes); break;
       default: break;
     }
   }
 }
 
-#endif
-
-}  // namespace
-
-bool available() {
-#if defined(MINDIE_LOWBIT_KERNEL)
-  return true;
-#else
-  return false;
-#endif
-}
-
-#if defined(MINDIE_LOWBIT_KERNEL)
 // 16 bfloat16 values as float32
 inline __m512 bf16x16(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
@@ -189,55 +187,29 @@ inline __m512 bf16x16(const void* p) {
 inline float group_sum(const uint16_t* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    acc = _mm512_add_ps(acc, bf16x16(x + k));
-  }
+  for (; k + 16 <= n; k += 16) acc = _mm512_add_ps(acc, bf16x16(x + k));
   float s = _mm512_reduce_add_ps(acc);
-  for (; k < n; ++k) {
-    const uint32_t bits = static_cast<uint32_t>(x[k]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    s += f;
-  }
+  for (; k < n; ++k) s += mh::bf16_to_float(x[k]);
   return s;
 }
-#endif
 
-// x: [M, K] bfloat16; codes: [NT, K/2, 32] uint8 (4-bit: two codes a byte) or [NT, K/2, 64] int8 (8-bit);
-// scale, offset: [NT, K/gs, 32] float32 -> [M, N] float32.
-torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
-                            int64_t N, int64_t group_size) {
-  TORCH_CHECK(available(), "built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: [M, K] bfloat16");
-  const bool int4 = codes.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == torch::kInt8), "codes");
-  TORCH_CHECK(codes.size(2) == (int4 ? kTile : 2 * kTile), "codes: 32 columns a tile");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && offset.scalar_type() == torch::kFloat32 &&
-                  scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32");
-  const int64_t M = x.size(0), K = x.size(1), NT = codes.size(0), P = codes.size(1);
-  TORCH_CHECK(K == 2 * P && K % group_size == 0 && group_size % 2 == 0 && NT * kTile >= N, "shapes");
-  const int64_t G = K / group_size, PG = group_size / 2;
-  TORCH_CHECK(scale.numel() == NT * G * kTile && offset.numel() == NT * G * kTile, "scale, offset: [NT, G, 32]");
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-#if defined(MINDIE_LOWBIT_KERNEL)
-  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+void lowbit_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* cp, int int4, int64_t NT, const float* sp,
+                 const float* op, int64_t N, int64_t group_size, float* outp) {
+  const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
+  const float bias = int4 ? 128.f : 0.f;
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);
   // each row's sum over each group (the offsets' term): per row, in an order fixed by the group size (rows
   // split over threads once there are enough of them)
   std::vector<float> xsum(M * G);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+  mh::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < G; ++g) xsum[m * G + g] = group_sum(xb + m * K + g * group_size, group_size);
   });
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const int64_t tile_bytes = P * codes.size(2);
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset.data_ptr<float>();
-  float* outp = out.data_ptr<float>();
+  const int64_t tile_bytes = P * (int4 ? kTile : 2 * kTile);
   // One or two rows: four tiles at a time (more independent chains); more rows: a tile at a time,
   // six rows at a time. Either way each output is computed the same (see rows_block).
   const int64_t TN = M <= 2 ? 4 : 1;
-  at::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
+  mh::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> buf(M <= 6 ? 0 : TN * P * kTile);  // only the buffered path (more than six rows) uses it
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
@@ -253,10 +225,10 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
       if (M <= 6) {  // one block of rows: unpack in registers as the codes are used (no buffer to write and read)
         if (int4)
           chunk_rows<Source::kInt4>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
-                                    outp, N, n0);
+                                    outp, N, n0, bias);
         else
           chunk_rows<Source::kInt8>(x32, M, P, xsum.data(), G, cp + t0 * tile_bytes, tile_bytes, tn, st, ot, PG,
-                                    outp, N, n0);
+                                    outp, N, n0, bias);
         continue;
       }
       for (int64_t j = 0; j < tn; ++j) {
@@ -266,30 +238,242 @@ torch::Tensor lowbit_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor 
           unpack_int8(reinterpret_cast<const int8_t*>(cp + (t0 + j) * tile_bytes), P, buf.data() + j * P * kTile);
       }
       chunk_rows<Source::kBuffer>(x32, M, P, xsum.data(), G, buf.data(), P * kTile * sizeof(uint32_t), tn, st, ot,
-                                  PG, outp, N, n0);
+                                  PG, outp, N, n0, bias);
     }
   });
+}
+
+#else  // avx2 and portable: float32 activations, weights dequantized exactly
+
+constexpr int64_t kBlockK = 256;  // k per block of the buffered path: a tile's block is 32 KB of float32
+constexpr int kRows = 3;          // rows per micro-kernel call
+
+#if defined(MH_AVX2)
+// Columns c8 * 8 .. c8 * 8 + 7 of pair p of a tile, dequantized: k = 2p into lo, k = 2p + 1 into hi.
+template <bool INT4>
+inline void dequant8(const uint8_t* tile, int64_t p, int c8, __m256 scale, __m256 offset, __m256& lo, __m256& hi) {
+  __m256i a, b;
+  if constexpr (INT4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + p * kTile + c8 * 8)));
+    a = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    b = _mm256_srli_epi32(v, 4);
+  } else {  // 8 columns' pairs: 16-bit words (k1 << 8 | k0), sign-extended
+    const __m256i w = _mm256_cvtepi16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + p * 2 * kTile + c8 * 16)));
+    a = _mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24);
+    b = _mm256_srai_epi32(w, 8);
+  }
+  lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scale, offset);
+  hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale, offset);
+}
+
+// MR (1 or 2) rows times TN tiles, dequantizing in registers: acc = fma(x[k], w[k], acc) over k in order.
+template <bool INT4, int MR, int TN>
+inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const float* scale,
+                              const float* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
+  __m256 acc[MR][TN * 4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t p = g * PG; p < (g + 1) * PG; ++p) {
+      __m256 x0[MR], x1[MR];
+      for (int r = 0; r < MR; ++r) {
+        x0[r] = _mm256_broadcast_ss(x + r * K + 2 * p);
+        x1[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+      }
+      for (int t = 0; t < TN; ++t)
+        for (int c8 = 0; c8 < 4; ++c8) {
+          const int64_t at = t * G * kTile + g * kTile + c8 * 8;
+          __m256 lo, hi;
+          dequant8<INT4>(tiles + t * tile_bytes, p, c8, _mm256_loadu_ps(scale + at), _mm256_loadu_ps(offset + at), lo,
+                         hi);
+          for (int r = 0; r < MR; ++r) {
+            acc[r][t * 4 + c8] = _mm256_fmadd_ps(x0[r], lo, acc[r][t * 4 + c8]);
+            acc[r][t * 4 + c8] = _mm256_fmadd_ps(x1[r], hi, acc[r][t * 4 + c8]);
+          }
+        }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      const int64_t c0 = n0 + t * kTile + c8 * 8;
+      if (c0 >= N) break;
+      for (int r = 0; r < MR; ++r) {
+        if (c0 + 8 <= N) {
+          _mm256_storeu_ps(out + r * N + c0, acc[r][t * 4 + c8]);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, acc[r][t * 4 + c8]);
+          for (int64_t c = c0; c < N; ++c) out[r * N + c] = tmp[c - c0];
+        }
+      }
+    }
+}
+#endif  // MH_AVX2
+
+// Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major).
+template <bool INT4>
+inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const float* scale, const float* offset,
+                          int64_t PG, float* buf) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* s = scale + (p / PG) * kTile;
+    const float* o = offset + (p / PG) * kTile;
+    float* lo = buf + (2 * (p - p0)) * kTile;
+    float* hi = lo + kTile;
+#if defined(MH_AVX2)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      __m256 a, b;
+      dequant8<INT4>(tile, p, c8, _mm256_loadu_ps(s + c8 * 8), _mm256_loadu_ps(o + c8 * 8), a, b);
+      _mm256_storeu_ps(lo + c8 * 8, a);
+      _mm256_storeu_ps(hi + c8 * 8, b);
+    }
+#else
+    for (int c = 0; c < kTile; ++c) {
+      float a, b;
+      if constexpr (INT4) {
+        const uint8_t byte = tile[p * kTile + c];
+        a = static_cast<float>(byte & 15);
+        b = static_cast<float>(byte >> 4);
+      } else {
+        const int8_t* pair = reinterpret_cast<const int8_t*>(tile) + p * 2 * kTile + 2 * c;
+        a = static_cast<float>(pair[0]);
+        b = static_cast<float>(pair[1]);
+      }
+      lo[c] = a * s[c] + o[c];
+      hi[c] = b * s[c] + o[c];
+    }
 #endif
-  return out;
+  }
+}
+
+// acc[r][0 .. 32) (ldc apart, at c) += x[r][k] * w[k][0 .. 32) over the block's k in order, for MR rows (ldx apart);
+// the accumulators start at zero on the first block.
+template <int MR>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc, bool first) {
+#if defined(MH_AVX2)
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + q * 8);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    for (int q = 0; q < 4; ++q) {
+      const __m256 wq = _mm256_loadu_ps(w + k * kTile + q * 8);
+      for (int r = 0; r < MR; ++r) acc[r][q] = _mm256_fmadd_ps(xb[r], wq, acc[r][q]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(c + r * ldc + q * 8, acc[r][q]);
+#else
+  for (int r = 0; r < MR; ++r) {
+    float acc[kTile];
+    for (int j = 0; j < kTile; ++j) acc[j] = first ? 0.f : c[r * ldc + j];
+    for (int64_t k = 0; k < kc; ++k) {
+      const float xv = x[r * ldx + k];
+      for (int j = 0; j < kTile; ++j) acc[j] += xv * w[k * kTile + j];
+    }
+    for (int j = 0; j < kTile; ++j) c[r * ldc + j] = acc[j];
+  }
+#endif
+}
+
+// Tiles t0 .. t1 for all M rows through the buffer: blocks of k outermost (a block of x stays in cache across
+// the tiles), each tile's block dequantized once, then every three rows over it. A tile that runs past N keeps
+// its accumulators in ``ragged`` ([M][32]) instead of the output.
+template <bool INT4>
+void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const float* sp,
+                    const float* op, int64_t G, int64_t PG, int64_t t0, int64_t t1, float* out, int64_t N,
+                    std::vector<float>& wbuf, std::vector<float>& ragged) {
+  wbuf.resize(kBlockK * kTile);
+  for (int64_t kb = 0; kb < K; kb += kBlockK) {
+    const int64_t kc = std::min<int64_t>(kBlockK, K - kb);
+    for (int64_t t = t0; t < t1; ++t) {
+      dequant_block<INT4>(cp + t * tile_bytes, kb / 2, (kb + kc) / 2, sp + t * G * kTile, op + t * G * kTile, PG,
+                          wbuf.data());
+      const bool whole = (t + 1) * kTile <= N;
+      if (!whole) ragged.resize(M * kTile);
+      float* c = whole ? out + t * kTile : ragged.data();
+      const int64_t ldc = whole ? N : kTile;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) micro<kRows>(x + m * K + kb, K, wbuf.data(), kc, c + m * ldc, ldc, kb == 0);
+      for (; m < M; ++m) micro<1>(x + m * K + kb, K, wbuf.data(), kc, c + m * ldc, ldc, kb == 0);
+    }
+  }
+  if ((t1)*kTile > N) {  // the last tile's columns that exist
+    const int64_t c0 = (t1 - 1) * kTile;
+    for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + c0, ragged.data() + m * kTile, (N - c0) * sizeof(float));
+  }
+}
+
+template <bool INT4>
+void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t NT, const float* sp, const float* op,
+                int64_t N, int64_t group_size, float* out) {
+  const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
+  const int64_t tile_bytes = P * (INT4 ? kTile : 2 * kTile);
+#if defined(MH_AVX2)
+  if (M <= 2) {  // dequantize in registers, two tiles at a time for one row (more independent chains)
+    const int64_t TN = M == 1 ? 2 : 1;
+    mh::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
+        if (chunk + 1 < end) prefetch(cp + (t0 + TN) * tile_bytes, std::min<int64_t>(TN, NT - t0 - TN) * tile_bytes);
+        const uint8_t* tiles = cp + t0 * tile_bytes;
+        const float* s = sp + t0 * G * kTile;
+        const float* o = op + t0 * G * kTile;
+        if (M == 2)
+          rows_in_registers<INT4, 2, 1>(x, K, tiles, tile_bytes, s, o, G, PG, out, N, t0 * kTile);
+        else if (tn == 2)
+          rows_in_registers<INT4, 1, 2>(x, K, tiles, tile_bytes, s, o, G, PG, out, N, t0 * kTile);
+        else
+          rows_in_registers<INT4, 1, 1>(x, K, tiles, tile_bytes, s, o, G, PG, out, N, t0 * kTile);
+      }
+    });
+    return;
+  }
+#endif
+  mh::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wbuf, ragged;
+    tiles_buffered<INT4>(x, M, K, cp, tile_bytes, sp, op, G, PG, t0, t1, out, N, wbuf, ragged);
+  });
+}
+
+#endif  // MH_AVX512
+
+}  // namespace
+
+namespace mh {
+
+#if defined(MH_AVX512)
+const int lowbit_activation = 1;
+#else
+const int lowbit_activation = 0;
+#endif
+
+// x: [M, K] (bfloat16 bits with AVX512-BF16, else float32); codes: [NT, K/2, 32] uint8 (4-bit: two codes a byte) or
+// [NT, K/2, 64] int8 (8-bit); scale, offset: [NT, K/gs, 32] float32 -> out [M, N] float32.
+void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const float* scale,
+                   const float* offset, int64_t N, int64_t group_size, float* out) {
+#if defined(MH_AVX512)
+  lowbit_bf16(static_cast<const uint16_t*>(x), M, K, codes, int4, NT, scale, offset, N, group_size, out);
+#else
+  if (int4)
+    lowbit_f32<true>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out);
+  else
+    lowbit_f32<false>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out);
+#endif
 }
 
 // silu(gate) * up for the rows of a gated MLP, from its gate/up product's bfloat16 output [M, 2I] ([gate | up])
 // to the bfloat16 input of its down product [M, I]: float32 arithmetic, one rounding, each element on its own
 // (so a row's result does not depend on the others).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0, "gate_up: [M, 2I] bfloat16");
-  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({M, I}, gate_up.options());
-  const at::BFloat16* src = gate_up.data_ptr<at::BFloat16>();
-  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t m0, int64_t m1) {
+void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I) {
+  parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const at::BFloat16* g = src + m * 2 * I;
-      const at::BFloat16* u = g + I;
-      at::BFloat16* o = dst + m * I;
+      const uint16_t* g = gate_up + m * 2 * I;
+      const uint16_t* u = g + I;
+      uint16_t* o = out + m * I;
       int64_t i = 0;
-#if defined(MINDIE_LOWBIT_KERNEL)
+#if defined(MH_AVX512)
       for (; i + 16 <= I; i += 16) {  // x * sigmoid(x) * u, sigmoid from e^-|x| (never overflows)
         const __m512 x = bf16x16(g + i), up = bf16x16(u + i);
         const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
@@ -300,22 +484,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       }
 #endif
       for (; i < I; ++i) {
-        const float x = static_cast<float>(g[i]);
-        o[i] = static_cast<at::BFloat16>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+        const float x = bf16_to_float(g[i]);
+        o[i] = float_to_bf16(x / (1.f + std::exp(-x)) * bf16_to_float(u[i]));
       }
     }
   });
-  return out;
 }
 
-// As a torch operator too, for compiled graphs to call without going through Python.
-TORCH_LIBRARY_FRAGMENT(mindie_host_cpu, m) {
-  m.def("lowbit_matmul(Tensor x, Tensor codes, Tensor scale, Tensor offset, int n, int group_size) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(mindie_host_cpu, CPU, m) { m.impl("lowbit_matmul", &lowbit_matmul); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available);
-  m.def("lowbit_matmul", &lowbit_matmul);
-  m.def("silu_mul", &silu_mul);
-}
+}  // namespace mh

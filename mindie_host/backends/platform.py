@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention, cpu_layer_ops
+from ..models.weights import EightBitGroups
+from . import cpu_attention, cpu_layer_ops, cpu_matmul
 from .cpu_attention import decode_attention
 from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
@@ -25,6 +26,7 @@ from .linear import (
     LowBitWeight,
     PackedWeight,
     PromptRows,
+    ReferenceWeight,
     apply_linear,
     batch_invariant,
     bf16_gated_mlp,
@@ -114,30 +116,39 @@ class Platform:
         return meta
 
     # -- operators ------------------------------------------------------------------
-    def prepare_linear(self, weight: torch.Tensor, stored: FourBitGroups | str | None = None) -> Any:
+    def prepare_linear(self, weight: torch.Tensor, stored: FourBitGroups | EightBitGroups | None = None) -> Any:
         """Turn a ``[out, in]`` weight into whatever :meth:`linear` wants (packed, quantized...).
 
         On x86 CPUs with MKL, fp32 weights are also pre-packed for a few batch-size
         buckets: MKL's packed GEMM is about twice as fast as the plain one for the
         4-64 row products of batched decode. ``stored`` says how the model file holds
-        the matrix when it is below 16 bits: its 4-bit groups, or ``"int8"`` for 8-bit
-        blocks; on CPU, products of few rows then read that low-bit form
-        (:mod:`mindie_host.backends.linear`)."""
+        the matrix when it is below 16 bits (its 4-bit or 8-bit groups); on CPU, products
+        then read that low-bit form through this package's kernel (:mod:`mindie_host.backends.linear`),
+        with a bfloat16 copy for prompt rows where the CPU profile has native bf16
+        (:mod:`~mindie_host.backends.cpu_profile`). Without the kernel they multiply the file's exact values
+        in float32, with the activations rounded as the kernel rounds them (:class:`ReferenceWeight`): torch's own
+        low-bit CPU kernels run as slow reference loops without AVX-512 and round every output to bf16 with it."""
         if self.device_type != "cpu" or weight.dtype != torch.float32:
             return weight
         if stored is None or not low_bit_kernels_available():
             return PackedWeight(weight) if mkl_packing_available() else weight
         if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
-            low: LowBitWeight = (Int8Weight(weight, keep_dense=False) if stored == "int8"
-                                 else FourBitWeight(stored, None))  # type: ignore[arg-type]
+            if not cpu_matmul.loaded():
+                if not prompt_bf16_enabled():
+                    return PackedWeight(weight) if mkl_packing_available() else weight
+                low: LowBitWeight = ReferenceWeight(weight)
+            else:
+                low = Int8Weight(stored, None) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, None)
             if prompt_bf16_enabled():
                 low.keep_prompt_copy(weight)
             return low
-        low_bit: type[LowBitWeight] = Int8Weight if stored == "int8" else FourBitWeight
+        if not cpu_matmul.loaded():
+            return PackedWeight(weight) if mkl_packing_available() else weight
+        low_bit: type[LowBitWeight] = Int8Weight if isinstance(stored, EightBitGroups) else FourBitWeight
         # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
         buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
         dense: Any = PackedWeight(weight, buckets) if mkl_packing_available() and buckets else weight
-        return Int8Weight(dense) if stored == "int8" else FourBitWeight(stored, dense)  # type: ignore[arg-type]
+        return Int8Weight(stored, dense) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, dense)
 
     def prepare_int8(self, matrix: Int8Matrix, dtype: torch.dtype = torch.float32) -> Any:
         """Turn an int8 matrix of the ``w8a16`` / ``w8a8`` schemes into a weight :meth:`linear` calls

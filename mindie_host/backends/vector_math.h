@@ -1,9 +1,31 @@
-// Vector math shared by the CPU kernels of this directory (attention.cpp, lowbit_matmul.cpp); included by them, so
-// torch.utils.cpp_extension builds it into each.
+// Which instruction set a kernel source is built for, and the vector math the kernels share.
+//
+// Each variant library is built with its own flags (mindie_host/backends/cpu_extensions.py): portable (the
+// architecture's baseline: SSE2 on x86-64, plain C++ that the compiler vectorizes as it can, also the path of Arm
+// and every other CPU), avx2 (x86-64-v3: AVX2, FMA, F16C) and avx512 (x86-64-v4 with AVX512-BF16). MH_AVX512 and
+// MH_AVX2 say which vector paths a source compiles; every intrinsic sits inside their #if.
 #pragma once
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__)
+#define MH_AVX512 1
+#define MH_VARIANT "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MH_AVX2 1
+#define MH_VARIANT "avx2"
+#else
+#define MH_VARIANT "portable"
+#endif
+
+#if defined(MH_AVX512) || defined(MH_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace mh {
+
+#if defined(MH_AVX512)
 // e^x for x <= 0 (scores minus their maximum, or -|x|): 2^n * p(r) with a degree-6 polynomial, ~1e-7 relative error
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -21,3 +43,46 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+#if defined(MH_AVX2)
+// The same e^x for x <= 0 in 8 lanes: the same polynomial, 2^n put in the exponent bits (n >= -126: a normal number)
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The sum of a vector's 8 lanes, in a fixed order
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 bfloat16 values (bits) as float32
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+}  // namespace mh

@@ -294,6 +294,40 @@ class FourBitGroups:
         )
 
 
+@dataclass
+class EightBitGroups:
+    """A matrix stored as 8-bit codes in groups along the input dimension (GGUF Q8_0: blocks of 32).
+
+    ``weight[r, c] == codes[r, c] * scale[r, c // group_size]`` (the dequantized values are exactly the GGUF
+    file's). ``codes`` is int8 ``[rows, cols]``; ``scale`` float32 ``[rows, cols // group_size]``.
+    """
+
+    codes: np.ndarray
+    scale: np.ndarray
+    group_size: int = 32
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix these groups stand for."""
+        rows, cols = self.codes.shape
+        g = self.codes.reshape(rows, cols // self.group_size, self.group_size).astype(np.float32)
+        return (g * self.scale[..., None]).reshape(rows, cols)
+
+    @staticmethod
+    def concat(parts: list[EightBitGroups]) -> EightBitGroups:
+        """Stack matrices with the same input size along their rows (fused QKV, gate+up)."""
+        return EightBitGroups(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
+                              parts[0].group_size)
+
+
+def _eight_bit_from_gguf(tensor: Any) -> EightBitGroups:
+    """Unpack a Q8_0 GGUF tensor's blocks: an fp16 scale ``d``, then 32 int8 codes, meaning ``q * d``."""
+    rows = int(tensor.shape[1])
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 34)
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = raw[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return EightBitGroups(np.ascontiguousarray(codes), scale, 32)
+
+
 def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     """Unpack a Q4_0 or Q4_1 GGUF tensor's blocks; None for any other type.
 
@@ -320,33 +354,34 @@ def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     return FourBitGroups(np.ascontiguousarray(codes), scale, offset, 32)
 
 
-def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None) -> dict[str, FourBitGroups | str]:
+def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None) -> dict[str, FourBitGroups | EightBitGroups]:
     """How the model file stores its matrices that are below 16 bits, under HF names.
 
-    A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups` (Q/K rows un-permuted), a Q8_0
-    one to ``"int8"``; other types (K-quants, Q5, Q6, floats) are left out, and so is
-    everything of an HF directory.
+    A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups`, a Q8_0 one to its :class:`EightBitGroups` (Q/K rows
+    un-permuted); other types (K-quants, Q5, Q6, floats) are left out, and so is everything of an HF directory.
     """
     if source.kind != "gguf":
         return {}
     import gguf
 
     arch = arch or load_arch(source)
-    out: dict[str, FourBitGroups | str] = {}
+    out: dict[str, FourBitGroups | EightBitGroups] = {}
     for tensor in gguf.GGUFReader(str(source.path)).tensors:
         hf = gguf_name_to_hf(tensor.name)
         if hf is None or not hf.endswith(".weight"):
             continue
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-            out[hf] = "int8"
-            continue
-        groups = _four_bit_from_gguf(tensor)
+        groups: FourBitGroups | EightBitGroups | None = (
+            _eight_bit_from_gguf(tensor) if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            else _four_bit_from_gguf(tensor))
         if groups is None:
             continue
         heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
-        if heads:
+        if heads and isinstance(groups, FourBitGroups):
             groups = FourBitGroups(*(_unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
                                    groups.group_size)
+        elif heads:
+            groups = EightBitGroups(*(_unpermute_rows(a, heads) for a in (groups.codes, groups.scale)),
+                                    groups.group_size)
         out[hf] = groups
     return out
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pickle
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,11 +29,10 @@ from ...models.weights import (
 )
 from ...quant.loader import int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
-from .. import cpu_attention, cpu_layer_ops, cpu_matmul
+from .. import cpu_extensions, cpu_profile, cpu_selfcheck
 from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..kv_int8 import Int8KVCache
 from ..lazy_memory import lazy_zeros
-from ..linear import batch_invariant
 from ..platform import Platform, select_platform
 from .layers import KVSpec
 from .model import DecoderModel
@@ -104,6 +106,8 @@ class TorchBackend(ModelBackend):
         )
         self._compile_child: subprocess.Popen[bytes] | None = None
         self.platform = platform or select_platform("auto")
+        #: on CPU: the kernels' variant and compute dtypes (logged once; a bad MINDIE_HOST_CPU_ISA fails here)
+        self.cpu = cpu_profile.log_profile() if self.platform.device_type == "cpu" else None
         self.dtype = resolve_dtype(dtype, self.platform)
         self.kv_int8 = kv_cache_dtype == KV_INT8
         if self.kv_int8 and self.platform.name not in ("cpu", "cuda"):
@@ -112,6 +116,10 @@ class TorchBackend(ModelBackend):
             self.dtype if kv_cache_dtype in ("auto", "", None) or self.kv_int8
             else resolve_dtype(kv_cache_dtype, self.platform)
         )
+        if self.cpu is not None:
+            self._warn_slow_dtypes(dtype, kv_cache_dtype)
+        self._kernel_build: threading.Thread | None = None
+        self._kernels_checked = False
         self.quantization = check_scheme(quantization)
         if self.kv_int8 and (compile_decode or decode_graphs):
             log.warning("kvCacheDtype int8: decode steps run eagerly (compile and decode graphs take tensor caches)")
@@ -173,11 +181,24 @@ class TorchBackend(ModelBackend):
             log.info("worldSize %d: each rank serves its slices dequantized (the file's 4/8-bit forms are kept only "
                      "with worldSize 1)", tp.world_size)
 
+    def _warn_slow_dtypes(self, dtype: str, kv_cache_dtype: str) -> None:
+        """Honour a 16-bit dtype the config sets explicitly, with a warning when this CPU has no native bfloat16."""
+        assert self.cpu is not None
+        for key, name, value in (("dtype", dtype, self.dtype), ("kvCacheDtype", kv_cache_dtype, self.kv_dtype)):
+            if name not in ("auto", "", None, KV_INT8) and self.cpu.slow_dtype(value):
+                log.warning("ModelConfig.%s %r is honoured, but this CPU (profile %s) has no native bfloat16 "
+                            "arithmetic: torch runs 16-bit products on a reference path, at a fraction of float32's "
+                            "rate; \"auto\" picks float32 here", key, name, self.cpu.isa)
+
     # -- loading -----------------------------------------------------------------------
     def load(self) -> ModelInfo:
         family = self.family = self._family()
         arch = load_arch(self.source, self.architectures)
         self.arch = self.full_arch = arch
+        if self.platform.device_type == "cpu" and cpu_extensions.enabled():  # built while the weights load
+            self._kernel_build = threading.Thread(target=cpu_extensions.kernels, name="mindie-host-kernels",
+                                                  daemon=True)
+            self._kernel_build.start()
         weights: dict[str, torch.Tensor] = {}
         total = count_tensors(self.source, family, arch)
         tp = self.tp
@@ -190,6 +211,7 @@ class TorchBackend(ModelBackend):
         if tp is None:
             stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
             stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
+        self.load_cpu_kernels(self._model_shapes(arch, weights, stored))  # before the weights take their form
         self.model = DecoderModel(arch, weights, self.platform, self.dtype, stored, tp, family)
         if tp is not None:
             self.arch = self.model.arch  # this rank's heads: the KV cache holds its KV heads only
@@ -340,6 +362,9 @@ class TorchBackend(ModelBackend):
 
     #: decode steps of up to this many sequences run compiled when ``compile_decode`` is on (CPU)
     COMPILED_MAX_SEQS = 16
+    #: seconds the first (cold) compile of the decode step may take on CPU before it is stopped and decode steps
+    #: stay eager: ``MINDIE_HOST_COMPILE_BUDGET_S`` (0: no limit)
+    COMPILE_BUDGET_S = 180.0
     #: decode graphs serve steps of up to this many sequences and context tokens (CUDA)
     GRAPH_MAX_SEQS = 256
     GRAPH_MAX_CONTEXT = 8192
@@ -374,23 +399,39 @@ class TorchBackend(ModelBackend):
             self._compile_thread.start()
         self.platform.synchronize()
 
-    def load_cpu_kernels(self) -> None:
-        """Build or load this package's C++ kernels on CPU (:mod:`~mindie_host.backends.cpu_extensions`): the
-        low-bit matrix product, the layers' elementwise steps, and decode attention when decoding is
-        batch-invariant.
+    def load_cpu_kernels(self, shapes: cpu_selfcheck.ModelShapes | None = None) -> None:
+        """Build or load this package's C++ kernels on CPU (:mod:`~mindie_host.backends.cpu_extensions`), the
+        variant of this CPU's profile, and self-check them once against torch on the model's ``shapes``
+        (:mod:`~mindie_host.backends.cpu_selfcheck`): a kernel that disagrees is turned off.
 
-        Each build is one compiler process on one core; on a cold cache they run side by side (one thread
-        each), so start-up waits for the longest build rather than the sum (bench/PERF.md, round 8).
+        :meth:`load` starts the build as it starts reading weights (the library's sources and the binding to
+        torch compile side by side, one compiler process each) and checks before the weights take their form.
         """
         if self.platform.device_type != "cpu":
             return
-        builds = [cpu_matmul.kernel, cpu_layer_ops.kernel] + ([cpu_attention.kernel] if batch_invariant() else [])
-        threads = [threading.Thread(target=build, name=f"mindie-host-kernel-{i}", daemon=True)
-                   for i, build in enumerate(builds)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        if self._kernel_build is not None:
+            self._kernel_build.join()
+            self._kernel_build = None
+        kernels = cpu_extensions.kernels()
+        if kernels is not None and shapes is not None and not self._kernels_checked:
+            cpu_selfcheck.check_and_turn_off(kernels, shapes)
+            self._kernels_checked = True
+
+    def _model_shapes(self, arch: ModelArch, weights: dict[str, torch.Tensor],
+                      stored: dict[str, Any]) -> cpu_selfcheck.ModelShapes:
+        """What the kernels' paths depend on in this model (this rank's heads under tensor parallelism)."""
+        from ...models.weights import EightBitGroups, FourBitGroups
+
+        ranks = 1 if self.tp is None else self.tp.world_size
+        low_bit = set()
+        for form in stored.values():
+            if isinstance(form, FourBitGroups | EightBitGroups):
+                kind = "int4" if isinstance(form, FourBitGroups) else "int8"
+                low_bit.add((kind, form.codes.shape[1], form.group_size))
+        return cpu_selfcheck.ModelShapes(
+            hidden=arch.hidden_size, heads=arch.num_heads // ranks, kv_heads=max(1, arch.num_kv_heads // ranks),
+            head_dim=arch.head_dim, intermediate=arch.intermediate_size,
+            kv_dtype=torch.float32 if self.kv_int8 else self.kv_dtype, low_bit=tuple(sorted(low_bit)))
 
     def _compile_decode(self, model: DecoderModel) -> None:
         """Compile the decode step on a thread of its own, while the engine serves eager steps.
@@ -401,12 +442,31 @@ class TorchBackend(ModelBackend):
         torch.compile's on-disk caches; this thread then compiles from them in seconds. Its warm-up
         steps write only to the spare cache block, which no sequence owns, and the model switches
         to the compiled step once they have run, so no request ever waits on a compile. A failed
-        compile leaves decode steps eager (logged).
+        compile leaves decode steps eager (logged). A first compile that runs past :attr:`COMPILE_BUDGET_S` (a
+        machine with few cores: 400 s on two Zen 3 cores) is stopped: decode steps stay eager, the log says so,
+        and later starts of the same model on the same machine do not try again.
         """
         start = time.monotonic()
+        budget = float(os.environ.get("MINDIE_HOST_COMPILE_BUDGET_S", self.COMPILE_BUDGET_S))
         try:
             if self.platform.device_type == "cpu":
-                self._precompile_in_child()
+                marker = self._slow_compile_marker()
+                if budget and marker.exists():
+                    log.warning("compile: true is not tried: the decode step's compile took more than %.0f s on this "
+                                "machine before (%s); decode steps stay eager (delete that file, or set "
+                                "MINDIE_HOST_COMPILE_BUDGET_S=0, to compile anyway)", budget, marker)
+                    return
+                try:
+                    self._precompile_in_child(budget or None)
+                except subprocess.TimeoutExpired:
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    marker.write_text(json.dumps({"budget_s": budget, "threads": torch.get_num_threads(),
+                                                  "when": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+                    log.warning("compiling the decode step takes more than %.0f s on this machine (%d threads): it is "
+                                "stopped and decode steps stay eager, now and at later starts (%s records it; delete "
+                                "it, or set MINDIE_HOST_COMPILE_BUDGET_S=0, to compile anyway)", budget,
+                                torch.get_num_threads(), marker)
+                    return
             child_s = time.monotonic() - start
             self.compile_now(model)
             log.info("decode steps of up to %d sequences now run compiled (%.1f s after warm-up; %.1f s of it in "
@@ -431,8 +491,16 @@ class TorchBackend(ModelBackend):
             warm.append((batch, self.platform.prepare_step(meta, batch, self.block_size)))
         model.compile_decode(self.COMPILED_MAX_SEQS, warm, self.kv_caches)
 
-    def _precompile_in_child(self) -> None:
-        """Run the same compile in a child process, to fill the on-disk caches without holding this one's GIL."""
+    def _slow_compile_marker(self) -> Path:
+        """The file that records that this model's decode step took too long to compile with this many threads."""
+        arch = self.arch
+        key = (f"{arch.num_layers}x{arch.hidden_size}-{torch.get_num_threads()}threads-"
+               f"{self.cpu.isa if self.cpu else 'cpu'}" if arch is not None else "unknown")
+        return cpu_extensions.build_root() / "compile" / f"{key}.too-slow.json"
+
+    def _precompile_in_child(self, timeout: float | None = None) -> None:
+        """Run the same compile in a child process, to fill the on-disk caches without holding this one's GIL; a
+        child still compiling after ``timeout`` seconds is killed (subprocess.TimeoutExpired)."""
         spec = PrecompileSpec(
             backend=f"{type(self).__module__}:{type(self).__qualname__}",
             kwargs={**self._init_kwargs, "compile_decode": True},
@@ -447,7 +515,12 @@ class TorchBackend(ModelBackend):
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self._compile_child = child
-        _, err = child.communicate(pickle.dumps(spec))
+        try:
+            _, err = child.communicate(pickle.dumps(spec), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
         if child.returncode != 0:  # the in-process compile then starts cold; slower, still correct
             tail = err.decode(errors="replace").strip().splitlines()[-3:]
             log.warning("the compile process exited with %s: %s", child.returncode, " | ".join(tail))

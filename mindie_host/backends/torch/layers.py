@@ -28,7 +28,7 @@ from .window import windowed_attention
 if TYPE_CHECKING:
     from ...distributed.tensor_parallel import TensorParallel
     from ...models.architecture import Architecture, ModelArch
-    from ...models.weights import FourBitGroups
+    from ...models.weights import EightBitGroups, FourBitGroups
     from ..base import LinearDeltas
     from ..linear import PromptRows
     from ..platform import AttentionMetadata, Platform
@@ -68,7 +68,7 @@ class Step:
 class ModelWeights:
     """A model's canonical tensors while its layers are built: each taken once, in the model's dtype and device.
 
-    ``stored`` says, by name, how the model file holds its low-bit matrices (4-bit groups, ``"int8"``) or which
+    ``stored`` says, by name, how the model file holds its low-bit matrices (4-bit or 8-bit groups) or which
     are served in int8 (:class:`~mindie_host.backends.int8.Int8Matrix`); :meth:`linear` hands them to the platform.
     """
 
@@ -77,7 +77,7 @@ class ModelWeights:
         weights: dict[str, torch.Tensor],
         platform: Platform,
         dtype: torch.dtype,
-        stored: dict[str, FourBitGroups | Int8Matrix | str] | None = None,
+        stored: dict[str, FourBitGroups | EightBitGroups | Int8Matrix] | None = None,
     ) -> None:
         self.weights = weights
         self.platform = platform
@@ -116,15 +116,15 @@ class ModelWeights:
                 self.stored.pop(n)
             matrix = Int8Matrix.concat(int8) if len(int8) > 1 else int8[0]  # type: ignore[arg-type]
             return self.platform.prepare_int8(matrix, self.dtype)  # type: ignore[arg-type]
-        from ...models.weights import FourBitGroups
+        from ...models.weights import EightBitGroups, FourBitGroups
 
         dense = torch.cat([self.tensor(n) for n in names]) if len(names) > 1 else self.tensor(names[0])
         forms = [self.stored.get(n) for n in names]
-        form: FourBitGroups | str | None = None
+        form: FourBitGroups | EightBitGroups | None = None
         if all(isinstance(f, FourBitGroups) for f in forms):
             form = FourBitGroups.concat(forms)  # type: ignore[arg-type]
-        elif all(f == "int8" for f in forms):
-            form = "int8"
+        elif all(isinstance(f, EightBitGroups) for f in forms):
+            form = EightBitGroups.concat(forms)  # type: ignore[arg-type]
         return self.platform.prepare_linear(dense.contiguous(), form)
 
     def left(self) -> list[str]:

@@ -21,7 +21,7 @@ from ...distributed.tensor_parallel import TensorParallel
 from ...models.architecture import Architecture, ModelArch, ModelLoadError
 from ...models.llama import LLAMA
 from ...models.rope import Rope, rope_of
-from ...models.weights import FourBitGroups
+from ...models.weights import EightBitGroups, FourBitGroups
 from ..base import LinearDeltas, ModelInput
 from ..int8 import Int8Matrix
 from ..linear import PromptRows
@@ -61,7 +61,7 @@ class DecoderModel:
         weights: dict[str, torch.Tensor],
         platform: Platform,
         dtype: torch.dtype,
-        stored: dict[str, FourBitGroups | Int8Matrix | str] | None = None,
+        stored: dict[str, FourBitGroups | EightBitGroups | Int8Matrix] | None = None,
         tp: TensorParallel | None = None,
         family: Architecture | None = None,
     ) -> None:

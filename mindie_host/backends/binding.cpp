@@ -1,0 +1,206 @@
+// The torch side of the CPU kernels: one extension, the same for every instruction-set variant.
+//
+// A variant is a library without torch (kernels.h); Python loads the one this CPU runs and hands its table to a
+// Kernels object here, which checks tensors, allocates outputs and calls the table, running the kernels' parallel
+// loops on torch's thread pool. activate() makes a Kernels object the one the registered operators
+// (mindie_host_cpu::decode_attention, mindie_host_cpu::lowbit_matmul, what compiled graphs call) use.
+// Built on first use by mindie_host/backends/cpu_extensions.py (torch.utils.cpp_extension). It includes only the
+// headers it uses (not torch/extension.h): half the compile time, which a first start waits for.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kernels.h"
+
+namespace {
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, mh_body body, void* ctx) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { body(ctx, b, e); });
+}
+
+int64_t num_threads() { return at::get_num_threads(); }
+
+const mh_runtime kRuntime = {parallel_for, num_threads};
+
+// One variant's table, loaded from its library by Python (the address of what mindie_host_kernels() returned).
+class Kernels {
+ public:
+  explicit Kernels(uintptr_t address) : k_(reinterpret_cast<const mh_kernels*>(address)) {
+    TORCH_CHECK(k_ != nullptr && k_->abi == MINDIE_HOST_KERNELS_ABI, "a kernel library of another interface version");
+    k_->set_runtime(&kRuntime);
+  }
+
+  std::string variant() const { return k_->variant; }
+
+  // The dtype lowbit_matmul's activations must have.
+  bool lowbit_takes_bfloat16() const { return k_->lowbit_activation == 1; }
+
+  at::Tensor add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
+                             double eps) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [T, n] float32");
+    const int64_t T = x.size(0), n = x.size(1);
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
+                "weight: [n] float32");
+    const float* rp = nullptr;
+    if (residual.has_value()) {
+      TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                      residual->sizes() == x.sizes(), "residual: like x");
+      rp = residual->data_ptr<float>();
+    }
+    auto out = at::empty_like(x);
+    k_->add_rms_norm(x.data_ptr<float>(), rp, weight.data_ptr<float>(), out.data_ptr<float>(), T, n,
+                     static_cast<float>(eps));
+    return out;
+  }
+
+  std::vector<at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) const {
+    check_heads(q, "q");
+    check_heads(k, "k");
+    const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2);
+    TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "q, k: the same rows and an even head dim");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D, "cos, sin: [T, D] float32");
+    auto qo = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+    auto ko = at::empty({T, KV, D}, k.options().memory_format(at::MemoryFormat::Contiguous));
+    k_->rope(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0), cos.data_ptr<float>(),
+             sin.data_ptr<float>(), qo.data_ptr<float>(), ko.data_ptr<float>(), T, H, KV, D);
+    return {qo, ko};
+  }
+
+  at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                                 at::Tensor ctx_lens, double scale) const {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, H, D] float32");
+    const bool bf16 = check_caches(k_cache, v_cache);
+    TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    slots.size(0) == q.size(0), "slots: [B, max_ctx] int64");
+    TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() &&
+                    ctx_lens.size(0) == q.size(0), "ctx_lens: [B] int64");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
+    TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "head shapes");
+    const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(lens[b] >= 1 && lens[b] <= slots.size(1), "ctx_lens: from 1 to the slots' width");
+    auto out = at::empty_like(q);
+    k_->decode_attention(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bf16 ? 1 : 0,
+                         slots.data_ptr<int64_t>(), lens, out.data_ptr<float>(), B, H, KV, D, slots.size(1),
+                         static_cast<float>(scale));
+    return out;
+  }
+
+  at::Tensor prompt_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                                 double scale) const {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [n, H, D] float32");
+    const bool bf16 = check_caches(k_cache, v_cache);
+    TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+                "slots: [ctx] int64");
+    const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1), ctx = slots.size(0);
+    TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0 && n >= 1 && n <= ctx, "head shapes");
+    TORCH_CHECK(D % 8 == 0, "prompt_attention: a head dim that is a multiple of 8");
+    auto out = at::empty_like(q);
+    k_->prompt_attention(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bf16 ? 1 : 0,
+                         slots.data_ptr<int64_t>(), n, ctx, out.data_ptr<float>(), H, KV, D, static_cast<float>(scale));
+    return out;
+  }
+
+  at::Tensor lowbit_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor offset,
+                              int64_t N, int64_t group_size) const {
+    const auto act = lowbit_takes_bfloat16() ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == act && x.is_contiguous(), "x: [M, K] ", act, " for the ",
+                k_->variant, " kernels");
+    const bool int4 = codes.scalar_type() == at::kByte;
+    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
+    TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
+                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32");
+    const int64_t M = x.size(0), K = x.size(1), NT = codes.size(0), P = codes.size(1);
+    TORCH_CHECK(group_size > 0 && K == 2 * P && K % group_size == 0 && group_size % 2 == 0 && NT * 32 >= N && N > 0,
+                "shapes");
+    const int64_t G = K / group_size;
+    TORCH_CHECK(scale.numel() == NT * G * 32 && offset.numel() == NT * G * 32, "scale, offset: [NT, G, 32]");
+    auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+    if (M > 0)
+      k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
+                        scale.data_ptr<float>(), offset.data_ptr<float>(), N, group_size, out.data_ptr<float>());
+    return out;
+  }
+
+  at::Tensor silu_mul(at::Tensor gate_up) const {
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
+                    gate_up.size(1) % 2 == 0, "gate_up: [M, 2I] bfloat16");
+    const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+    auto out = at::empty({M, I}, gate_up.options());
+    k_->silu_mul(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M, I);
+    return out;
+  }
+
+ private:
+  static void check_heads(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.stride(1) == t.size(2),
+                name, ": [T, heads, D] float32, each row's heads contiguous");
+  }
+
+  static bool check_caches(const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                    k.scalar_type() == v.scalar_type(), "caches: [S, KV, D], contiguous, alike");
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat,
+                "caches: float32 or bfloat16");
+    return k.scalar_type() == at::kBFloat16;
+  }
+
+  const mh_kernels* k_;
+};
+
+// The kernels the registered operators call (set by activate; null until then).
+std::atomic<const Kernels*> active{nullptr};
+
+const Kernels& active_kernels() {
+  const Kernels* k = active.load();
+  TORCH_CHECK(k != nullptr, "no CPU kernels are active");
+  return *k;
+}
+
+at::Tensor decode_attention_op(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots,
+                                  at::Tensor ctx_lens, double scale) {
+  return active_kernels().decode_attention(q, k, v, slots, ctx_lens, scale);
+}
+
+at::Tensor lowbit_matmul_op(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor offset,
+                               int64_t n, int64_t group_size) {
+  return active_kernels().lowbit_matmul(x, codes, scale, offset, n, group_size);
+}
+
+}  // namespace
+
+// As torch operators too, for compiled graphs to call without going through Python.
+TORCH_LIBRARY(mindie_host_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctx_lens, float scale) -> Tensor");
+  m.def("lowbit_matmul(Tensor x, Tensor codes, Tensor scale, Tensor offset, int n, int group_size) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mindie_host_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention_op);
+  m.impl("lowbit_matmul", &lowbit_matmul_op);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Kernels>(m, "Kernels")
+      .def(pybind11::init<uintptr_t>())
+      .def_property_readonly("variant", &Kernels::variant)
+      .def_property_readonly("lowbit_takes_bfloat16", &Kernels::lowbit_takes_bfloat16)
+      .def("add_rms_norm", &Kernels::add_rms_norm)
+      .def("rope", &Kernels::rope)
+      .def("decode_attention", &Kernels::decode_attention)
+      .def("prompt_attention", &Kernels::prompt_attention)
+      .def("lowbit_matmul", &Kernels::lowbit_matmul)
+      .def("silu_mul", &Kernels::silu_mul);
+  m.def("activate", [](const Kernels* k) { active.store(k); }, pybind11::arg("kernels").none(true),
+        "Make ``kernels`` (or None) what the registered operators call; the caller keeps it alive.");
+}

@@ -1,0 +1,178 @@
+// A check of the CPU kernels without torch or Python, for a machine the test suite does not run on: built with the
+// kernel sources into one program (tests/test_cpu_extensions.py cross-compiles it for aarch64 and runs it under
+// qemu-aarch64 where both are installed). Each kernel of the table runs on random inputs beside a plain loop
+// computed in double precision; the program prints one line per kernel and exits 1 on the first disagreement.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../mindie_host/backends/kernels.h"
+
+namespace {
+
+void serial_for(int64_t begin, int64_t end, int64_t, mh_body body, void* ctx) { body(ctx, begin, end); }
+int64_t one_thread() { return 1; }
+const mh_runtime kRuntime = {serial_for, one_thread};
+
+std::mt19937 rng(7);
+
+std::vector<float> randn(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+int failures = 0;
+
+void report(const char* what, double err, double allowed) {
+  const bool ok = err <= allowed;
+  std::printf("%s %s: relative error %.3g (allowed %.3g)\n", ok ? "ok  " : "FAIL", what, err, allowed);
+  if (!ok) ++failures;
+}
+
+double relative(const std::vector<float>& got, const std::vector<double>& want) {
+  double err = 0, scale = 1e-6;
+  for (size_t i = 0; i < got.size(); ++i) {  // (plain comparisons: aarch64 gcc 12 -O3 fails on an fmax reduction)
+    const double e = std::fabs(got[i] - want[i]), w = std::fabs(want[i]);
+    if (e > err) err = e;
+    if (w > scale) scale = w;
+  }
+  return err / scale;
+}
+
+void check_layer_ops(const mh_kernels* k) {
+  const int64_t T = 5, n = 100;
+  auto x = randn(T * n), r = randn(T * n), w = randn(n);
+  std::vector<float> out(T * n), x0 = x;
+  k->add_rms_norm(x.data(), r.data(), w.data(), out.data(), T, n, 1e-5f);
+  std::vector<double> want(T * n);
+  for (int64_t t = 0; t < T; ++t) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(x0[t * n + i] + r[t * n + i]) * (x0[t * n + i] + r[t * n + i]);
+    const double inv = 1 / std::sqrt(ss / n + 1e-5);
+    for (int64_t i = 0; i < n; ++i) want[t * n + i] = double(x0[t * n + i] + r[t * n + i]) * inv * w[i];
+  }
+  report("add_rms_norm", relative(out, want), 1e-5);
+  const int64_t H = 3, KV = 1, D = 40;
+  auto q = randn(T * H * D), kk = randn(T * KV * D), c = randn(T * D), s = randn(T * D);
+  std::vector<float> qo(T * H * D), ko(T * KV * D);
+  k->rope(q.data(), H * D, kk.data(), KV * D, c.data(), s.data(), qo.data(), ko.data(), T, H, KV, D);
+  std::vector<double> qwant(T * H * D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const float* row = q.data() + (t * H + h) * D;
+        const float rot = d < D / 2 ? -row[d + D / 2] : row[d - D / 2];
+        qwant[(t * H + h) * D + d] = double(row[d]) * c[t * D + d] + double(rot) * s[t * D + d];
+      }
+  report("rope", relative(qo, qwant), 1e-6);
+}
+
+// softmax(q . k * scale) @ v for one query over ctx rows of a [S, KV, D] cache (head h), in double
+void attend(const float* q, const std::vector<float>& kc, const std::vector<float>& vc, const int64_t* slots,
+            int64_t ctx, int64_t KV, int64_t h, int64_t D, double scale, double* out) {
+  std::vector<double> s(ctx);
+  double m = -1e300, total = 0;
+  for (int64_t t = 0; t < ctx; ++t) {
+    double dot = 0;
+    for (int64_t d = 0; d < D; ++d) dot += double(q[d]) * kc[(slots[t] * KV + h) * D + d];
+    s[t] = dot * scale;
+    m = std::fmax(m, s[t]);
+  }
+  for (auto& x : s) total += (x = std::exp(x - m));
+  for (int64_t d = 0; d < D; ++d) {
+    double acc = 0;
+    for (int64_t t = 0; t < ctx; ++t) acc += s[t] * vc[(slots[t] * KV + h) * D + d];
+    out[d] = acc / total;
+  }
+}
+
+void check_attention(const mh_kernels* k, int64_t H, int64_t KV, int64_t D) {
+  const int64_t S = 512, B = 3, max_ctx = 100, G = H / KV;
+  const float scale = 1.f / std::sqrt(float(D));
+  auto kc = randn(S * KV * D), vc = randn(S * KV * D), q = randn(B * H * D);
+  std::vector<int64_t> slots(B * max_ctx), lens = {1, 37, 100};
+  for (auto& x : slots) x = rng() % S;
+  std::vector<float> out(B * H * D);
+  k->decode_attention(q.data(), kc.data(), vc.data(), 0, slots.data(), lens.data(), out.data(), B, H, KV, D, max_ctx,
+                      scale);
+  std::vector<double> want(B * H * D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < H; ++hq)
+      attend(q.data() + (b * H + hq) * D, kc, vc, slots.data() + b * max_ctx, lens[b], KV, hq / G, D, scale,
+             want.data() + (b * H + hq) * D);
+  char what[96];
+  std::snprintf(what, sizeof what, "decode_attention (H %lld, KV %lld, D %lld)", (long long)H, (long long)KV,
+                (long long)D);
+  report(what, relative(out, want), 1e-5);
+  if (D % 8) return;
+  const int64_t n = 21, ctx = 60;
+  auto qp = randn(n * H * D);
+  std::vector<float> pout(n * H * D);
+  k->prompt_attention(qp.data(), kc.data(), vc.data(), 0, slots.data(), n, ctx, pout.data(), H, KV, D, scale);
+  std::vector<double> pwant(n * H * D);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t hq = 0; hq < H; ++hq)
+      attend(qp.data() + (r * H + hq) * D, kc, vc, slots.data(), ctx - n + r + 1, KV, hq / G, D, scale,
+             pwant.data() + (r * H + hq) * D);
+  std::snprintf(what, sizeof what, "prompt_attention (H %lld, KV %lld, D %lld)", (long long)H, (long long)KV,
+                (long long)D);
+  report(what, relative(pout, pwant), 1e-5);
+}
+
+void check_lowbit(const mh_kernels* k, bool int4) {
+  if (k->lowbit_activation != 0) return;  // bfloat16 activations: the avx512 variant, not built here
+  const int64_t N = 40, K = 96, gs = 32, NT = 2, G = K / gs, P = K / 2, M = 7;
+  std::vector<uint8_t> codes(NT * P * (int4 ? 32 : 64), 0);
+  std::vector<float> scale(NT * G * 32, 0.f), offset(NT * G * 32, 0.f), w(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const float sc = 0.01f + (rng() % 100) * 1e-4f, off = int4 ? -8 * sc : 0.f;
+      scale[(n / 32) * G * 32 + g * 32 + n % 32] = sc;
+      offset[(n / 32) * G * 32 + g * 32 + n % 32] = off;
+      for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+        const int code = int4 ? int(rng() % 16) : int(rng() % 255) - 127;
+        w[n * K + c] = code * sc + off;
+        uint8_t* tile = codes.data() + (n / 32) * P * (int4 ? 32 : 64);
+        if (int4)
+          tile[(c / 2) * 32 + n % 32] |= uint8_t(code << (4 * (c % 2)));
+        else
+          tile[(c / 2) * 64 + (n % 32) * 2 + c % 2] = uint8_t(int8_t(code));
+      }
+    }
+  auto x = randn(M * K);
+  std::vector<float> out(M * N), one(N);
+  k->lowbit_matmul(x.data(), M, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, out.data());
+  std::vector<double> want(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t c = 0; c < K; ++c) acc += double(x[m * K + c]) * w[n * K + c];
+      want[m * N + n] = acc;
+    }
+  report(int4 ? "lowbit_matmul 4-bit" : "lowbit_matmul 8-bit", relative(out, want), 1e-5);
+  k->lowbit_matmul(x.data() + 3 * K, 1, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, one.data());
+  report("lowbit_matmul: a row alone has its bits among seven",
+         std::memcmp(one.data(), out.data() + 3 * N, N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+}
+
+}  // namespace
+
+int main() {
+  const mh_kernels* k = mindie_host_kernels();
+  if (k->abi != MINDIE_HOST_KERNELS_ABI) return 2;
+  k->set_runtime(&kRuntime);
+  std::printf("variant %s\n", k->variant);
+  check_layer_ops(k);
+  check_attention(k, 9, 3, 64);
+  check_attention(k, 8, 2, 128);
+  check_attention(k, 6, 2, 80);
+  check_attention(k, 4, 4, 36);
+  check_lowbit(k, true);
+  check_lowbit(k, false);
+  return failures ? 1 : 0;
+}
