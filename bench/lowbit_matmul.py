@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=50)
     args = ap.parse_args(argv)
     if cpu_matmul.kernel() is None:
-        raise SystemExit("the kernel could not be built here (no compiler, or no AVX512-BF16)")
+        raise SystemExit("the kernels could not be built here (no compiler)")
     g = torch.Generator().manual_seed(0)
     report = []
     for n, k in ((1536, 576), (576, 1536)):

@@ -28,6 +28,14 @@ llama-server is started once per concurrency with ``-np`` equal to it (and
 ``--llama-ctx-per-slot`` tokens of context per slot), so that every request in flight
 has a slot, as mindie-host's continuous batching gives every request one.
 
+``--profile avx2`` measures every system as it runs on an AVX2 CPU (x86-64-v3, no AVX-512), on this
+machine: the script re-executes itself with torch's instruction-set switches
+(``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``) and
+``MINDIE_HOST_CPU_ISA=avx2`` (mindie-host's avx2 kernels and float32 dtypes), which the servers inherit,
+and runs llama-server from ``$LLAMA_SERVER_AVX2``, a build with AVX-512 off
+(``bench/build_llama_server.sh`` builds both it and the native one). Results go to
+``bench/results/peers_avx2.json`` unless ``--out`` says otherwise.
+
 mindie-host runs with ``bench/configs/peers.json``: the built-in defaults plus
 ``compile: true`` (compiled decode step) and the prefix_cache plugin with 16-token
 blocks, the counterpart of llama-server's default per-slot prompt cache. The system
@@ -64,6 +72,9 @@ from typing import Any
 import httpx
 
 from mindie_host.testing import free_port, private_copy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_profiles import PROFILES, run_as  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = Path(os.environ.get("LOADGEN", ROOT.parent / "shared" / "peers" / "loadgen.py"))
@@ -106,7 +117,9 @@ def start_mindie(args: argparse.Namespace, config: str | None = None) -> tuple[s
     compiled = compiles_on_cpu(config, args.device)
     if compiled and log == subprocess.DEVNULL:  # the compile's end is read from the server's log
         log = tempfile.NamedTemporaryFile(prefix="mindie-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    # the configured path is measured: a compile past the server's budget for slow machines is waited for
+    env = {**os.environ, "MINDIE_HOST_COMPILE_BUDGET_S": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
     wait_ready(f"http://127.0.0.1:{mport}/v2/health/ready", proc)
     if compiled:  # ready means serving, eagerly until the decode step has compiled in the background
         wait_compiled(Path(log.name), proc)
@@ -142,7 +155,7 @@ def wait_compiled(log: Path, proc: subprocess.Popen[bytes], timeout: float | Non
 
 def start_llama(args: argparse.Namespace, slots: int = 16) -> tuple[subprocess.Popen[bytes], str, str] | None:
     """llama-server with ``slots`` parallel slots (``-np``) of ``--llama-ctx-per-slot`` tokens each."""
-    binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    binary = llama_binary(args.profile)
     if not binary:
         return None
     from mindie_host.models.default import default_model_path
@@ -153,6 +166,20 @@ def start_llama(args: argparse.Namespace, slots: int = 16) -> tuple[subprocess.P
                              "-c", str(ctx), "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}", "default"
+
+
+#: where bench/build_llama_server.sh puts its builds
+LLAMA_BUILDS = Path(os.environ.get("LLAMA_BUILD_DIR", Path.home() / ".cache" / "mindie-bench" / "llama.cpp"))
+
+
+def llama_binary(profile: str) -> str | None:
+    """llama-server for the profile: ``$LLAMA_SERVER_AVX2`` or bench/build_llama_server.sh's avx2 build for avx2;
+    ``$LLAMA_SERVER``, the one on PATH or the script's native build otherwise."""
+    if profile == "avx2":
+        binary = os.environ.get("LLAMA_SERVER_AVX2") or str(LLAMA_BUILDS / "avx2" / "bin" / "llama-server")
+        return binary if Path(binary).exists() else None
+    native = LLAMA_BUILDS / "native" / "bin" / "llama-server"
+    return os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or (str(native) if native.exists() else None)
 
 
 def hf_directory(args: argparse.Namespace) -> str | None:
@@ -319,8 +346,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="measure each system, concurrency and load this many times back to back (the varied load "
                          "with new prompts each time: seeds 0, 1, ...); the table gives the median run and the range")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
+    ap.add_argument("--profile", choices=["native", "avx2"], default="native",
+                    help="avx2: every system as on an AVX2 CPU (torch's and mindie-host's switches, llama-server "
+                         "built with AVX-512 off)")
+    ap.add_argument("--out", help="results file (default bench/results/peers.json, peers_avx2.json for --profile avx2)")
     args = ap.parse_args()
+    run_as(PROFILES[args.profile])
+    args.out = args.out or str(ROOT / "bench" / "results" / ("peers_avx2.json" if args.profile == "avx2" else "peers.json"))
     if not LOADGEN.exists():
         print(f"load generator not found at {LOADGEN} (set LOADGEN=...)", file=sys.stderr)
         return 2
@@ -411,7 +443,7 @@ def save(args: argparse.Namespace, results: dict[str, dict[int, dict[str, float]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "varied_max_tokens": args.varied_max_tokens,
                                           "llama_ctx_per_slot": args.llama_ctx_per_slot,
-                                          "model": args.model, "device": args.device,
+                                          "model": args.model, "device": args.device, "profile": args.profile,
                                           "results": results}, indent=2))
 
 
