@@ -188,6 +188,12 @@ class ModelBackend(abc.ABC):
         config key in the messages); empty when it can. Called before :meth:`load`, on rank 0 only."""
         return [f"{key}: got {world_size}; backendType {self.backend_type!r} runs on one device only; allowed: 1"]
 
+    @property
+    def dist_backend(self) -> str:
+        """The ``torch.distributed`` backend its tensor-parallel ranks join for a step's collectives (``gloo`` on
+        CPU, ``nccl`` on CUDA, ``hccl`` on Ascend); the host asks only a backend that accepts a world size over 1."""
+        return "gloo"
+
     def bind_parallel(self, tp: Any) -> None:  # noqa: B027 - optional hook
         """Become rank ``tp.rank`` of ``tp.world_size`` (a :class:`~mindie_host.distributed.tensor_parallel.TensorParallel`)
         before :meth:`load`: load only this rank's slices, and run the step's collectives. Every rank

@@ -106,7 +106,7 @@ class ParallelBackend(ModelBackend):
         self.local = local
         self.make_worker = make_worker
         self.address = address
-        self.dist_backend = dist_backend
+        self._dist_backend = dist_backend
         self.on_lost = on_lost
         self.workers: list[Any] = []
         self.control: Any = None
@@ -123,6 +123,11 @@ class ParallelBackend(ModelBackend):
         return getattr(self.inner, name)
 
     # -- start ------------------------------------------------------------------------------------------
+    @property
+    def dist_backend(self) -> str:
+        """The backend the ranks joined with (rank 0's platform's)."""
+        return self._dist_backend
+
     def load(self) -> ModelInfo:
         import torch
 

@@ -48,6 +48,6 @@ def parallel_backend(
         local=local,
         address=address,
         make_worker=lambda rank, device, addr, threads: spawn_rank(config, specs, rank, size, device, addr, threads),
-        dist_backend=backend.platform.dist_backend,  # type: ignore[attr-defined]
+        dist_backend=backend.dist_backend,
         on_lost=on_rank_lost,
     )

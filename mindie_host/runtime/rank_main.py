@@ -73,7 +73,7 @@ def rank_main(
     register_specs(plugins, specs)
     plugins.enable_from_config(config)
     backend = create_backend(plugins, config)
-    control = init_groups(backend.platform.dist_backend, address, rank, world)  # type: ignore[attr-defined]
+    control = init_groups(backend.dist_backend, address, rank, world)
     backend.bind_parallel(TensorParallel(rank, world, None, device))
     backend.load()
     dist.barrier(group=control)

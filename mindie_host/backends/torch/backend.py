@@ -168,6 +168,11 @@ class TorchBackend(ModelBackend):
                           f"with {key} {world_size}; allowed with tensor parallelism: auto, none")
         return errors
 
+    @property
+    def dist_backend(self) -> str:
+        """Its platform's (gloo on CPU, nccl on CUDA, the platform plugin's otherwise)."""
+        return self.platform.dist_backend
+
     def bind_parallel(self, tp: TensorParallel) -> None:
         self.tp = tp
         self.platform.bind_device(tp.device_index)
