@@ -408,15 +408,16 @@ def test_sigkill_one_server_under_load(cluster):
                 else f"http {r.status_code} {r.text[:200]}"), 0
 
     async def load() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=300) as client:
             streams = [asyncio.ensure_future(stream(client, n)) for n in range(6)]
             plains = [asyncio.ensure_future(plain(client, n)) for n in range(6)]
             deadline = time.monotonic() + 60
             while started < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             cluster.kill("server-0")
-            return (await asyncio.wait_for(asyncio.gather(*streams), 120),
-                    await asyncio.wait_for(asyncio.gather(*plains), 120))
+            # the survivors finish 200 tokens each on one server; the suite's other worker shares the CPU
+            return (await asyncio.wait_for(asyncio.gather(*streams), 300),
+                    await asyncio.wait_for(asyncio.gather(*plains), 300))
 
     streams, plains = asyncio.run(load())
     assert all(outcome == "done" for outcome, _ in plains), plains  # none had started: retried on server 1

@@ -53,7 +53,7 @@ def test_ci_runs_exactly_the_readme_commands_in_a_fresh_venv() -> None:
                              text=True, check=True).stdout.strip()
         assert out == readme_block(name)
     assert readme_block("serve").endswith("mindie-host serve")
-    assert readme_block("test").endswith("python -m pytest -q")
+    assert "python -m pytest -q" in readme_block("test")
     # a readiness wait, one real request, a SIGTERM and a clean-stop check; pytest's status is the script's
     assert "/v2/health/ready" in ci and "/v1/chat/completions" in ci and "kill -TERM" in ci
     assert "set -euo pipefail" in ci and ci.rstrip().endswith('bash -c "$TEST_CMD"')
