@@ -69,7 +69,8 @@ def plain(tiny_family: Callable[[str], Path]) -> Callable[[str], list[list[int]]
     return get
 
 
-@pytest.mark.parametrize("name", PLUGIN_FAMILIES)
+# glm4's layers are glm's with two more norms (the same fused gate/up and attention slices): glm4 stands for both
+@pytest.mark.parametrize("name", [name for name in PLUGIN_FAMILIES if name != "glm"])
 def test_two_ranks_with_prefix_cache_splitfuse_and_swap_equal_one(
     name: str, tiny_family: Callable[[str], Path], plain: Callable[[str], list[list[int]]]
 ) -> None:
