@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mindie_host.config import Config, config_from_dict, default_config_dict
-from mindie_host.config.support import NO_EFFECT_KEYS, NO_EFFECT_PREFIXES, config_leaves, no_effect, unsupported
+from mindie_host.config.support import NO_EFFECT_KEYS, config_leaves, no_effect, unsupported
 from mindie_host.host import Host
 from mindie_host.plugins import PluginError
 from mindie_host.testing import load_host
@@ -39,7 +39,7 @@ def test_every_config_key_is_read_or_reported_as_having_no_effect() -> None:
     dropped = []
     for path, _, _ in config_leaves(Config(), Config(), ""):
         name = path.rsplit(".", 1)[-1]
-        explained = path in NO_EFFECT_KEYS or any(path.startswith(p) for p in NO_EFFECT_PREFIXES)
+        explained = path in NO_EFFECT_KEYS
         if name not in read and not explained:
             dropped.append(path)
         assert not (name in read and path in NO_EFFECT_KEYS), f"{path} is read somewhere but listed as having no effect"
@@ -61,6 +61,9 @@ def test_keys_without_effect_are_reported() -> None:
     cfg = _config(ServerConfig__interCommTlsCert="other/server.pem")
     notes = no_effect(cfg)
     assert any(n.startswith("ServerConfig.interCommTlsCert is 'other/server.pem': no effect here") for n in notes)
+    # keys beside the TLS files that are read: PD's port, and the TLS switches (refused when true where they apply)
+    assert not no_effect(_config(ServerConfig__interCommPort=2000, ServerConfig__interCommTLSEnabled=False,
+                                 BackendConfig__interNodeTLSEnabled=False, BackendConfig__multiNodesInferPort=2001))
     assert not no_effect(config_from_dict(default_config_dict()))
 
 
@@ -72,6 +75,18 @@ def test_keys_without_effect_are_reported() -> None:
         ({"ServerConfig__inferMode": "dmi", "ServerConfig__interCommTLSEnabled": False,
           "BackendConfig__modelInstanceNumber": 2, "BackendConfig__npuDeviceIds": [[0], [1]]},
          "BackendConfig.modelInstanceNumber: got 2 with ServerConfig.inferMode 'dmi'; allowed 1"),
+        # a value only a plugin serves, with that plugin not enabled: the plugin and its package are named
+        ({"BackendConfig__ScheduleConfig__templateType": "Mix"},
+         "BackendConfig.ScheduleConfig.templateType: got 'Mix' without the splitfuse plugin, which serves the Mix "
+         "template; add 'splitfuse' to ModelConfig[0].plugin_params' plugin_type (installed by: pip install "
+         "mindie-plugin-splitfuse)"),
+        ({"BackendConfig__ScheduleConfig__enablePrefixCache": True},
+         "BackendConfig.ScheduleConfig.enablePrefixCache: got true without the prefix_cache plugin, which serves "
+         "Prefix Cache; add 'prefix_cache' to ModelConfig[0].plugin_params' plugin_type (installed by: pip install "
+         "mindie-plugin-prefix-cache)"),
+        ({"BackendConfig__ScheduleConfig__splitChunkTokens": 64},
+         "BackendConfig.ScheduleConfig.splitChunkTokens: got 64 with templateType 'Standard'; SplitFuse's keys act "
+         "only in the Mix template"),
     ],
 )
 def test_settings_this_host_cannot_honour_are_refused(changes: dict[str, object], expected: str) -> None:
@@ -85,6 +100,7 @@ def test_a_second_model_entry_is_refused_naming_it(tmp_path: Path) -> None:
     data = default_config_dict()
     models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
     models.append(dict(models[0], modelName="second"))
+    data["BackendConfig"]["ScheduleConfig"]["enablePrefixCache"] = True  # and config validate names the plugin
     expected = "BackendConfig.ModelDeployConfig.ModelConfig[1] (modelName 'second'): this server serves one model"
     with pytest.raises(PluginError, match=re.escape(expected)):
         load_host(Host(config_from_dict(data)))
@@ -92,3 +108,4 @@ def test_a_second_model_entry_is_refused_naming_it(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "mindie_host.cli", "config", "validate", str(tmp_path / "c.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and expected in r.stdout
+    assert "error: BackendConfig.ScheduleConfig.enablePrefixCache: got true without the prefix_cache plugin" in r.stdout

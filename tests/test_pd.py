@@ -19,8 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
+from mindie_host.config import config_from_dict
+from mindie_host.host import Host
 from mindie_host.ms.cluster import Cluster
+from mindie_host.server.pd import PDGate
 from mindie_host.testing import RunningServer, server_config
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -208,3 +212,17 @@ def test_killing_a_decode_instance_mid_load_loses_no_request(pd: Any) -> None:
     while time.monotonic() < deadline and _held(cluster, p_index) < free_before:
         time.sleep(0.5)
     assert _held(cluster, p_index) >= free_before  # P holds no KV block for anyone
+
+
+def test_a_dmi_instance_without_a_role_answers_503_naming_it() -> None:
+    """Before the controller assigns its role, a dmi server refuses inference with a 503 that says so (no model:
+    the gate answers before the request reaches a protocol)."""
+    async def never(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the request went past the PD gate")
+
+    host = Host(config_from_dict(server_config(None, server={"inferMode": "dmi", "interCommTLSEnabled": False})))
+    r = TestClient(PDGate(host, never)).post("/generate", json=CASES["tgi"][1],
+                                             headers={"req-id": "1", "req-type": "prefill", "d-target": "127.0.0.1"})
+    assert r.status_code == 503, r.text
+    assert r.json()["error_type"] == "Service Unavailable"
+    assert "no PD role yet (roleStatus RoleUnknown)" in r.json()["error"] and "POST /v1/role/" in r.json()["error"]

@@ -15,6 +15,7 @@ test checks that every other config key is read somewhere in the package.
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from typing import Any
 
@@ -28,12 +29,21 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "BackendConfig.backendName": "the spec allows one value, mindieservice_llm_engine; checked, then informational",
     "BackendConfig.ScheduleConfig.templateName": "the spec allows one value, Standard_LLM; checked, then informational",
 }
-#: Key-name prefixes with no effect here, and why (the TLS file lists of the two features above).
-NO_EFFECT_PREFIXES: dict[str, str] = {
-    "BackendConfig.interNode": "inter-node TLS: torch.distributed's transports carry no TLS (interNodeTLSEnabled "
-    "must be false with multi-node inference; docs/scale-out.md)",
-    "ServerConfig.interComm": "inter-instance TLS (inferMode 'dmi'): interCommTLSEnabled must be false in this version",
-}
+_INTER_NODE_TLS = (
+    "inter-node TLS: torch.distributed's transports carry no TLS (interNodeTLSEnabled must be false with multi-node "
+    "inference; docs/scale-out.md)"
+)
+_INTER_COMM_TLS = "inter-instance TLS (inferMode 'dmi'): interCommTLSEnabled must be false in this version"
+# The TLS files of the two features above, named one by one: a prefix would also catch the keys that are read
+# (interCommPort carries PD's P-to-D requests; the two TLSEnabled switches are refused when true where they apply).
+NO_EFFECT_KEYS.update(
+    {f"BackendConfig.{k}": _INTER_NODE_TLS for k in (
+        "interNodeTlsCaPath", "interNodeTlsCaFiles", "interNodeTlsCert", "interNodeTlsPk", "interNodeTlsPkPwd",
+        "interNodeTlsCrlPath", "interNodeTlsCrlFiles", "interNodeKmcKsfMaster", "interNodeKmcKsfStandby")}
+    | {f"ServerConfig.{k}": _INTER_COMM_TLS for k in (
+        "interCommTlsCaPath", "interCommTlsCaFiles", "interCommTlsCert", "interCommPk", "interCommPkPwd",
+        "interCommTlsCrlPath", "interCommTlsCrlFiles")}
+)
 
 
 def unsupported(config: Config) -> list[str]:
@@ -46,6 +56,7 @@ def unsupported(config: Config) -> list[str]:
             f"one model, ModelConfig[0] ({models[0].modelName!r}); allowed: one ModelConfig entry. To serve several "
             f"models, {SCALE_OUT}"
         )
+    errors.extend(plugin_needs(config))
     srv, be = config.ServerConfig, config.BackendConfig
     if srv.inferMode == "dmi":
         errors.extend(_dmi_errors(config))
@@ -55,6 +66,43 @@ def unsupported(config: Config) -> list[str]:
             "over torch.distributed (gloo, NCCL, HCCL), whose transports in the standard PyTorch builds carry no "
             "TLS; run the nodes on a private network or under IPsec/WireGuard and set interNodeTLSEnabled to false "
             "(docs/scale-out.md)"
+        )
+    return errors
+
+
+#: Schedule keys that only the splitfuse plugin's Mix template reads (non-default values need it).
+SPLIT_KEYS = ("enableSplit", "splitType", "splitStartType", "splitChunkTokens", "splitStartBatchSize")
+
+
+def plugin_needs(config: Config) -> list[str]:
+    """Schedule values that only a plugin serves, set while that plugin is not enabled: each message names the key,
+    the plugin to enable in ``ModelConfig[0].plugin_params`` and the package that provides it."""
+    sch, plugins = config.BackendConfig.ScheduleConfig, config.model.plugins
+    S = "BackendConfig.ScheduleConfig"
+    enable = "add {name!r} to ModelConfig[0].plugin_params' plugin_type (installed by: pip install {package})"
+    errors = []
+    if sch.templateType == "Mix" and "splitfuse" not in plugins:
+        errors.append(
+            f"{S}.templateType: got 'Mix' without the splitfuse plugin, which serves the Mix template; "
+            + enable.format(name="splitfuse", package="mindie-plugin-splitfuse")
+            + ", or set templateType to 'Standard'"
+        )
+    elif "splitfuse" not in plugins:  # (splitfuse enabled beside Standard: the plugin refuses that)
+        default = type(sch)()
+        for key in SPLIT_KEYS:
+            value = getattr(sch, key)
+            if value != getattr(default, key):
+                errors.append(
+                    f"{S}.{key}: got {json.dumps(value)} with templateType {sch.templateType!r}; SplitFuse's keys act "
+                    "only in the Mix template: set templateType to 'Mix' and "
+                    + enable.format(name="splitfuse", package="mindie-plugin-splitfuse")
+                    + f", or leave {key} at its default {json.dumps(getattr(default, key))}"
+                )
+    if sch.enablePrefixCache and "prefix_cache" not in plugins:
+        errors.append(
+            f"{S}.enablePrefixCache: got true without the prefix_cache plugin, which serves Prefix Cache; "
+            + enable.format(name="prefix_cache", package="mindie-plugin-prefix-cache")
+            + ", or set enablePrefixCache to false"
         )
     return errors
 
@@ -93,9 +141,7 @@ def no_effect(config: Config) -> list[str]:
     notes: list[str] = []
     default = Config()
     for path, value, default_value in config_leaves(config, default, ""):
-        reason = NO_EFFECT_KEYS.get(path) or next(
-            (why for prefix, why in NO_EFFECT_PREFIXES.items() if path.startswith(prefix)), None
-        )
+        reason = NO_EFFECT_KEYS.get(path)
         if reason is not None and value != default_value and value not in ("", [], None, False):
             notes.append(f"{path} is {value!r}: no effect here ({reason})")
     return notes

@@ -296,7 +296,15 @@ class PDGate:
             return
         state = pd_state(host)
         if state.role_status != "RoleReady":
-            await _error("Role status is invalid.", 500, "Incomplete Generation")(scope, receive, send)
+            # the spec's sentence, as a 503 naming what is missing (the spec's table gives it 500): the instance is
+            # up and will serve once the MS controller gives it its role; retrying elsewhere or later is right
+            await _error(
+                f"Role status is invalid. This dmi instance has no PD role yet (roleStatus {state.role_status}): it "
+                "serves once the MS controller assigns it prefill or decode (POST /v1/role/{prefill|decode} on the "
+                "management port)",
+                503,
+                "Service Unavailable",
+            )(scope, receive, send)
             return
         if state.role != PREFILL:
             await _error("DMI inference requests can be sent only to the prefill node.")(scope, receive, send)
