@@ -265,6 +265,13 @@ class Architecture:
         MLP channels); empty when they can."""
         return []
 
+    def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
+        """Where per-row linear deltas (:class:`~mindie_host.backend_api.LinearDeltas`) do not reach: projection
+        (``qkv``, ``o``, ``gate_up``, ``down``) -> {layer: why}. Empty (the default): the dense layer takes them at
+        every projection of every layer. The torch backend reports it as ``ModelInfo.extra["delta_gaps"]``, so a
+        plugin refuses a variant that would need them there (multi_lora: an adapter's MLP on routed experts)."""
+        return {}
+
     def build_layer(self, index: int, arch: ModelArch, weights: Any) -> Any:
         """The torch backend's decoder layer ``index``, made from this rank's canonical tensors ``weights``
         (:class:`~mindie_host.backend_api.ModelWeights`), or None for the backend's dense layer (pre-norm

@@ -227,7 +227,8 @@ class TorchBackend(ModelBackend):
             f", {len(stored)} matrices also kept in the file's low-bit form" if stored else "",
         )
         return ModelInfo.from_arch(
-            self.name, arch, dtype=str(self.dtype).removeprefix("torch."), device=self.platform.name
+            self.name, arch, dtype=str(self.dtype).removeprefix("torch."), device=self.platform.name,
+            delta_gaps=family.delta_gaps(arch),
         )
 
     # -- KV cache --------------------------------------------------------------------------

@@ -282,6 +282,18 @@ class DeepseekV3Family(Architecture):
         return [] if size % world_size == 0 else [
             f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
 
+    def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
+        """Every layer's attention (latent attention has no q/k/v/o projections of the dense form) and the MLP of
+        the layers after ``first_k_dense_replace`` (shared plus routed experts)."""
+        o = arch.options
+        attention = {i: f"the {self.name} family's attention is multi-head latent attention (MLA), which per-row "
+                        "deltas to q/k/v/o projections do not reach" for i in range(arch.num_layers)}
+        experts = {i: f"the {self.name} family's MLP on this layer is {o['shared_experts']} shared plus "
+                      f"{o['num_experts']} routed experts, which per-row deltas to gate/up/down projections do not "
+                      f"reach (only the first {o['first_dense']} layers are dense)"
+                   for i in range(o["first_dense"], arch.num_layers)}
+        return {"qkv": attention, "o": dict(attention), "gate_up": experts, "down": dict(experts)}
+
     def router(self, prefix: str, arch: ModelArch, weights: Any) -> Any:
         """Layer ``prefix``'s :class:`GroupLimitedRouter`."""
         o = arch.options

@@ -141,6 +141,13 @@ class MoEFamily(Architecture):
             return [f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
         return []
 
+    def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
+        """The sparse layers' MLP projections: a per-row delta would need each routed expert's own."""
+        why = (f"the {self.name} family's MLP on this layer is a mixture of {arch.options['num_experts']} routed "
+               "experts, which per-row deltas to gate/up/down projections do not reach")
+        layers = {i: why for i in arch.options["sparse_layers"]}
+        return {"gate_up": layers, "down": dict(layers)}
+
     def build_layer(self, index: int, arch: ModelArch, weights: Any) -> DecoderLayer:
         """The shared attention with :class:`SparseMoE` (or the dense MLP on a dense layer)."""
         p = f"model.layers.{index}."

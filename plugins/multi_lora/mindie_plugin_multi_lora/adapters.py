@@ -30,6 +30,10 @@ MODULES: dict[str, tuple[str, str, str]] = {
     "down_proj": ("mlp", "inter", "hidden"),
 }
 
+#: Module name -> the fused projection of the backend's per-row deltas that carries it.
+PROJECTIONS: dict[str, str] = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+                               "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<module>[A-Za-z_]+)"
     r"\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
@@ -57,6 +61,9 @@ class ModelDims:
     q: int
     kv: int
     inter: int
+    #: where the backend's per-row deltas do not reach: projection (``qkv``, ``o``, ``gate_up``, ``down``) ->
+    #: {layer: why} (``ModelInfo.extra["delta_gaps"]``: a mixture of experts' MLP, latent attention)
+    gaps: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def features(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a target module."""
@@ -73,7 +80,13 @@ class ModelDims:
             q=int(extra["num_heads"]) * int(info.head_dim),
             kv=int(info.num_kv_heads) * int(info.head_dim),
             inter=int(extra["intermediate_size"]),
+            gaps={proj: {int(layer): str(why) for layer, why in layers.items()}
+                  for proj, layers in (extra.get("delta_gaps") or {}).items()},
         )
+
+    def gap(self, layer: int, module: str) -> str | None:
+        """Why layer ``layer``'s ``module`` (``q_proj`` ... ``down_proj``) takes no delta; None when it does."""
+        return self.gaps.get(PROJECTIONS[module], {}).get(layer)
 
 
 @dataclass
@@ -172,6 +185,9 @@ def load_adapter(name: str, path: str | Path, dims: ModelDims, max_rank: int) ->
         layer = int(m.group("layer"))
         if layer >= dims.num_layers:
             raise AdapterError(name, key, f"layer {layer} does not exist (the base model has layers 0-{dims.num_layers - 1})")
+        gap = dims.gap(layer, module)
+        if gap is not None:
+            raise AdapterError(name, key, f"layer {layer}'s {module} cannot be adapted: {gap}")
         pairs.setdefault((layer, module), {})[m.group("ab")] = tensors[key]
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
