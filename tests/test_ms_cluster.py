@@ -51,7 +51,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("ms-cluster")
     c = Cluster(tmp, 2, server_config=servers_config(tmp),
                 coordinator={"prometheus_metrics_config": {"reuse_time": 1},
-                             "exception_config": {"max_retry": 3}},
+                             # the sigkill test's survivors queue 12 answers on one server beside the other worker
+                             "exception_config": {"max_retry": 3, "schedule_timeout": 300,
+                                                  "first_token_timeout": 300}},
                 controller={"rank_table_detecting_seconds": 1})
     c.start(timeout=300)
     yield c

@@ -26,6 +26,7 @@ import numpy as np
 from .architecture import Architecture, Architectures, ModelArch, Piece, _as_list
 from .architecture import LlamaArch as LlamaArch  # re-exported: the old import path
 from .architecture import ModelLoadError as ModelLoadError
+from .gguf_header import gguf_tensors, read_gguf_header
 from .llama import LLAMA
 
 #: the model types the host serves without a plugin (the builtin Llama family)
@@ -70,9 +71,7 @@ def checkpoint_model_type(source: ModelSource) -> str:
     """The model type the checkpoint declares: ``config.json``'s ``model_type``, or a GGUF file's
     ``general.architecture``."""
     if source.kind == "gguf":
-        import gguf
-
-        return str(_gguf_field(gguf.GGUFReader(str(source.path)), "general.architecture"))
+        return str(read_gguf_header(source.path).get("general.architecture"))
     try:
         cfg = json.loads((source.path / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -101,40 +100,31 @@ def load_arch(source: ModelSource, architectures: Architectures | None = None) -
     return family.read_config(json.loads((source.path / "config.json").read_text()), source.path)
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def _gguf_arch(path: Path, family: Architecture) -> ModelArch:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
-    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
-    heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    vocab = _gguf_field(reader, f"{arch}.vocab_size")
+    reader = read_gguf_header(path)
+    arch = reader.get("general.architecture")
+    hidden = int(reader.get(f"{arch}.embedding_length"))
+    heads = int(reader.get(f"{arch}.attention.head_count"))
+    names = set(reader.tensor_names)
+    vocab = reader.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        vocab = len(reader.get("tokenizer.ggml.tokens", []))
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     return ModelArch(
         model_type=arch,
         hidden_size=hidden,
-        num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+        num_layers=int(reader.get(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
+        intermediate_size=int(reader.get(f"{arch}.feed_forward_length")),
         vocab_size=int(vocab),
-        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(reader.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_list(eos),
         torch_dtype="float32",
         architecture=family.name,
@@ -205,9 +195,7 @@ def iter_weights(
 def count_tensors(source: ModelSource, family: Architecture | None = None, arch: ModelArch | None = None) -> int:
     """How many tensors :func:`iter_weights` will yield (for progress bars)."""
     if source.kind == "gguf":
-        import gguf
-
-        return len(gguf.GGUFReader(str(source.path)).tensors)
+        return len(read_gguf_header(source.path).tensor_names)
     from safetensors import safe_open
 
     family = family or family_of(source)
@@ -220,10 +208,7 @@ def count_tensors(source: ModelSource, family: Architecture | None = None, arch:
 
 
 def _iter_gguf(path: Path, arch: ModelArch, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    for tensor in reader.tensors:
+    for tensor in gguf_tensors(path):
         hf = gguf_name_to_hf(tensor.name)
         if hf is None:
             continue
@@ -366,7 +351,7 @@ def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None) -> dict
 
     arch = arch or load_arch(source)
     out: dict[str, FourBitGroups | EightBitGroups] = {}
-    for tensor in gguf.GGUFReader(str(source.path)).tensors:
+    for tensor in gguf_tensors(source.path):
         hf = gguf_name_to_hf(tensor.name)
         if hf is None or not hf.endswith(".weight"):
             continue
