@@ -22,6 +22,7 @@ from .config import (
 )
 from .config.support import no_effect, unsupported
 from .file_modes import write_file
+from .log_env import LogEnvError
 from .ms.cli import MS_COMMANDS, add_ms_parsers, run_ms_command
 from .plugins import (
     PluginError,
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_ms_command(args)
         if hasattr(args, "run"):  # the operator tools (mindie_host/tools) register themselves this way
             return int(args.run(args))
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, LogEnvError) as exc:
         print(f"mindie-host: {exc}", file=sys.stderr)
         return 2
     return 0

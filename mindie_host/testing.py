@@ -171,13 +171,15 @@ class RunningServer:
 
     Use as a context manager. ``url`` is the business plane, ``management_url``
     and ``metrics_url`` the others. ``host`` is the live :class:`~mindie_host.host.Host`.
+    ``source_path`` names the file ``config`` was written to, as ``mindie-host serve --config`` would
+    (its hot update is then watched).
     """
 
     def __init__(self, config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, source_path: str | None = None) -> None:
         from .host import Host
 
-        self.config = config_from_dict(config)
+        self.config = config_from_dict(config, source_path=source_path)
         forced = os.environ.get("MINDIE_HOST_TEST_ENGINE_PROCESS")  # "0"/"1": run a test file in one mode
         if forced in ("0", "1"):
             self.config.server.engineProcess = forced == "1"

@@ -63,6 +63,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "mindie_host.config",
         "mindie_host.models",
         "mindie_host.logs",
+        "mindie_host.log_env",
         "mindie_host.tokenizer",
         "mindie_host.host_state",
         "mindie_host.client",

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..file_modes import CONFIG_MODE, FileModeError, check_mode
 from .checks import cross_checks
+from .environment import read_environment
 from .rules import IPV4, ConfigError, Findings, logger
 from .schema import Config
 
@@ -140,6 +141,9 @@ def _build(data: Any, *, source_path: str | None, environ: Mapping[str, str] | N
             data = {**data, "ServerConfig": {**server, "managementIpAddress": server["ipAddress"]}}
     cfg: Config = b.section(Config, data, "")
     _apply_env(cfg, env, b)
+    cfg.environment, env_errors = read_environment(env)
+    for err in env_errors:
+        b.error(err)
     cross_checks(cfg, b)
     cfg.warnings = b.warnings
     cfg.source_path = source_path

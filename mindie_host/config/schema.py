@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..models.default import DEFAULT_MODEL_NAME
+from .environment import Environment
 from .rules import (
     BOOL,
     INT32_MAX,
@@ -386,7 +387,8 @@ class Config:
 
     ``Plugins`` is an extension of this host: one JSON object per plugin name
     (``{"prefix_cache": {...}}``) that the plugin validates itself.  ``warnings`` (unknown
-    keys ...) and ``source_path`` (the file it came from) are not written back.
+    keys ...), ``source_path`` (the file it came from) and ``environment`` (the environment variables read
+    beside it) are not written back.
     """
 
     Version: str = json_key(CONFIG_VERSION, Rule("str", choices=(CONFIG_VERSION,), text=f"exactly {CONFIG_VERSION!r}"))
@@ -396,6 +398,8 @@ class Config:
     Plugins: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=Rule("plugins").meta)
     warnings: list[str] = field(default_factory=list, compare=False)
     source_path: str | None = field(default=None, compare=False)
+    #: the environment variables read beside the file (:mod:`.environment`), not written back
+    environment: Environment = field(default_factory=Environment, compare=False, metadata={"not_a_key": True})
 
     @property
     def model(self) -> ModelConfig:

@@ -150,6 +150,8 @@ def no_effect(config: Config) -> list[str]:
 def config_leaves(obj: Any, default: Any, prefix: str) -> list[tuple[str, Any, Any]]:
     out: list[tuple[str, Any, Any]] = []
     for f in fields(obj):
+        if f.metadata.get("not_a_key"):  # read from elsewhere (the environment), not from config.json
+            continue
         value, base = getattr(obj, f.name), getattr(default, f.name, None)
         path = f"{prefix}{f.name}"
         if hasattr(value, "__dataclass_fields__"):

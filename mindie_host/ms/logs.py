@@ -3,7 +3,10 @@
 Precedence: ``MINDIE_LOG_LEVEL`` (``"info"`` or per component ``"debug; ms:info"``) >
 ``MINDIEMS_LOG_LEVEL`` > ``log_info.log_level``; ``MINDIE_LOG_TO_FILE`` and
 ``MINDIE_LOG_TO_STDOUT`` (true/false/1/0, optionally ``"ms: false"``) override ``to_file`` and
-``to_stdout``. The run log rotates at ``max_log_file_size`` MB over ``max_log_file_num`` files.
+``to_stdout`` (one parser with the server's: :mod:`mindie_host.log_env`; a bad value is refused).
+Lines follow the spec's layout (:class:`~mindie_host.logs.SpecFormatter`, component ``ms``) with its
+optional part unless ``MINDIE_LOG_VERBOSE`` is false for ms; ``MINDIE_HOST_LOG_FORMAT=json`` gives JSON.
+The run log rotates at ``max_log_file_size`` MB over ``max_log_file_num`` files.
 """
 
 from __future__ import annotations
@@ -16,10 +19,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..log_env import (
+    ENV_TO_FILE,
+    ENV_TO_STDOUT,
+    ENV_VERBOSE,
+    check_log_env,
+    env_level,
+    env_switch,
+    log_format,
+    python_level,
+)
+from ..logs import JsonFormatter, SpecFormatter
 from .schema import Section
 
 LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-FORMAT = "[%(asctime)s] [%(process)d] [ms] [%(levelname)s] [%(name)s] %(message)s"
 
 
 @dataclass(frozen=True)
@@ -52,53 +65,36 @@ def read_log_info(section: Section, *, min_str_size: int) -> LogInfo:
     return info
 
 
-def _component_value(text: str, component: str = "ms") -> str | None:
-    """``"debug; ms:info"`` -> ``info`` for ms; a bare value applies to every component."""
-    default = None
-    for part in text.split(";"):
-        part = part.strip()
-        if not part:
-            continue
-        if ":" in part:
-            name, value = (p.strip() for p in part.split(":", 1))
-            if name.lower() == component:
-                return value
-        else:
-            default = part
-    return default
-
-
-def _flag(text: str | None, fallback: bool) -> bool:
-    if text is None:
-        return fallback
-    value = _component_value(text)
-    if value is None:
-        return fallback
-    return value.strip().lower() in ("1", "true")
+def _formatter(env: Mapping[str, str]) -> logging.Formatter:
+    verbose = env_switch(ENV_VERBOSE, "ms", env)
+    if log_format(env, "ms") == "json":
+        return JsonFormatter(verbose=bool(verbose), component="ms")
+    return SpecFormatter(verbose=verbose is not False, component="ms")
 
 
 def setup_ms_logging(info: LogInfo, name: str, env: Mapping[str, str] | None = None) -> logging.Logger:
-    """Configure the ``mindie_host.ms`` loggers from ``log_info`` and the environment."""
+    """Configure the ``mindie_host.ms`` loggers from ``log_info`` and the environment; a log variable with a
+    value the spec does not allow raises :class:`~mindie_host.log_env.LogEnvError` naming it."""
     env = os.environ if env is None else env
-    level_text = info.log_level
-    for var in ("MINDIEMS_LOG_LEVEL", "MINDIE_LOG_LEVEL"):
-        if env.get(var):
-            level_text = _component_value(env[var]) or level_text
-    level_name = level_text.strip().upper()
+    problems = check_log_env(env, "ms")
+    if problems:
+        raise problems[0]
+    level_name = (env_level("ms", env) or info.log_level).strip().lower()
     logger = logging.getLogger("mindie_host.ms")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     logger.propagate = False
-    if level_name == "NULL":
-        logger.disabled = True
+    logger.disabled = level_name == "null"
+    if logger.disabled:
         return logger.getChild(name)
-    logger.setLevel(level_name if level_name in LEVELS else "INFO")
-    formatter = logging.Formatter(FORMAT)
-    if _flag(env.get("MINDIE_LOG_TO_STDOUT"), info.to_stdout):
+    logger.setLevel(python_level(level_name))
+    formatter = _formatter(env)
+    to_stdout, to_file = env_switch(ENV_TO_STDOUT, "ms", env), env_switch(ENV_TO_FILE, "ms", env)
+    if info.to_stdout if to_stdout is None else to_stdout:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(formatter)
         logger.addHandler(stream)
-    if _flag(env.get("MINDIE_LOG_TO_FILE"), info.to_file) and info.run_log_path:
+    if (info.to_file if to_file is None else to_file) and info.run_log_path:
         path = Path(info.run_log_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(
@@ -106,3 +102,4 @@ def setup_ms_logging(info: LogInfo, name: str, env: Mapping[str, str] | None = N
         handler.setFormatter(formatter)
         logger.addHandler(handler)
     return logger.getChild(name)
+

@@ -39,6 +39,7 @@ def engine_core_main(
     show_progress: bool = False,
 ) -> None:
     """Entry point of the engine process: load the model as the server would, then serve steps."""
+    from ..config.hot_update import watch_config
     from ..logs import LoadProgress, setup_logging
 
     # Ctrl-C, and a SIGTERM sent to the whole process group (`kill -TERM -- -PGID`, a terminal's hang-up), reach
@@ -49,6 +50,7 @@ def engine_core_main(
     # when it disappears (runtime/rank_main.py), so multiprocessing's rule against children of daemons is lifted
     multiprocessing.current_process().daemon = False
     setup_logging(config.LogConfig, to_stderr=True)
+    watch_config(config)  # LogConfig.logLevel's hot update, in this process too
     if threads:  # one of several instances: its share of the cores
         import torch
 

@@ -62,11 +62,13 @@ def rank_main(
     import torch
     import torch.distributed as dist
 
+    from ..config.hot_update import watch_config
     from ..logs import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so does a SIGTERM to the group: rank 0 stops us after the drain
     setup_logging(config.LogConfig, to_stderr=True)
+    watch_config(config)  # LogConfig.logLevel's hot update, in this process too
     torch.set_num_threads(threads)
     plugins = PluginHost()
     plugins.bind(config)

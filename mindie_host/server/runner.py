@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from ..config.hot_update import watch_config
 from .admission import LINK_GATE, BusinessGuard, LinkGate, check_bind_addresses, listener_protocol
 from .app import create_app
 from .pd import BUSINESS_APP, PDGate
@@ -182,6 +183,7 @@ async def serve(host: Host, *, load: Callable[[], None] | None = None, on_ready:
     for listener in plan_listeners(host):
         scheme = "https" if listener.ssl else "http"
         log.info("listening on %s://%s:%d (%s)", scheme, listener.host, listener.port, ", ".join(listener.planes))
+    watch = watch_config(host.config)  # LogConfig.logLevel's hot update (the engine process runs its own)
     try:
         if load is not None:
             await asyncio.to_thread(load)
@@ -208,6 +210,8 @@ async def serve(host: Host, *, load: Callable[[], None] | None = None, on_ready:
         for srv in servers:
             srv.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
+        if watch is not None:
+            watch.stop()
         host.shutdown()
         log.info("stopped")
 

@@ -1,0 +1,63 @@
+"""The environment variables a server reads beside ``config.json`` (spec §10.1 and §5.1's table 5-1), checked
+when the config is built: a value outside the allowed ones is a :class:`~.rules.ConfigError` naming the
+variable and what it allows, so startup and ``mindie-host config validate`` refuse it.
+
+The MINDIE_LOG_* variables are read where logging is set up (:mod:`mindie_host.log_env`); they are only
+checked here. The others are read once into :class:`Environment`, which travels with the config to the
+engine process and the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..log_env import check_log_env
+from .rules import ConfigError
+
+ENV_CONFIG_POLL = "MINDIE_HOST_CONFIG_POLL_S"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the environment asks of this server (each field names its variable).
+
+    :ivar config_poll_s: ``MINDIE_HOST_CONFIG_POLL_S``: how often the config file is read again for the keys
+        the spec lets change without a restart (``LogConfig.logLevel``), in seconds; 0 turns it off.
+    """
+
+    config_poll_s: float = 2.0
+
+
+def _number(env: Mapping[str, str], var: str, default: float, low: float, high: float, allowed: str,
+            errors: list[ConfigError], *, integer: bool = False, high_open: bool = False) -> Any:
+    text = env.get(var, "").strip()
+    if not text:
+        return default
+    pattern = r"[0-9]+" if integer else r"[0-9]+(\.[0-9]*)?|\.[0-9]+"
+    value = float(text) if re.fullmatch(pattern, text) else math.nan
+    if not (low <= value <= high) or (high_open and value >= high):
+        errors.append(ConfigError(var, env[var], allowed))
+        return default
+    return int(value) if integer else value
+
+
+def _switch(env: Mapping[str, str], var: str, errors: list[ConfigError]) -> bool:
+    text = env.get(var, "").strip()
+    if text not in ("", "0", "1"):
+        errors.append(ConfigError(var, env[var], "0 (off) or 1 (on)"))
+        return False
+    return text == "1"
+
+
+def read_environment(env: Mapping[str, str]) -> tuple[Environment, list[ConfigError]]:
+    """The :class:`Environment` ``env`` describes, and every problem with it (the log variables' too)."""
+    errors = [ConfigError(p.var, p.value, p.allowed) for p in check_log_env(env)]
+    poll = _number(env, ENV_CONFIG_POLL, 2.0, 0.0, 3600.0, "a number of seconds in [0, 3600] (0: off)", errors)
+    return Environment(config_poll_s=poll), errors
+
+
+__all__ = ["Environment", "read_environment"]
