@@ -1,8 +1,10 @@
-"""Swap preemption: with maxPreemptCount > 0 a preempted sequence's KV goes to the CPU swap space (cpuMemSize)
-and comes back, instead of being recomputed; at most maxPreemptCount swaps per step, the rest recompute."""
+"""Swap preemption: with maxPreemptCount > 0 and MIES_USE_MB_SWAPPER=1 a preempted sequence's KV goes to the CPU
+swap space (cpuMemSize) and comes back, instead of being recomputed; at most maxPreemptCount swaps per step, the rest
+recompute. Without the variable maxPreemptCount has no effect (spec §5.1)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,12 @@ import pytest
 
 from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import RunningServer, loaded_host, run_engine, server_config
+
+
+@pytest.fixture(autouse=True)
+def mb_swapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Swap is on (MIES_USE_MB_SWAPPER=1) unless a test says otherwise."""
+    monkeypatch.setenv("MIES_USE_MB_SWAPPER", "1")
 
 
 def _config(model: Path, preempt: int, **extra: Any) -> dict[str, Any]:
@@ -73,10 +81,16 @@ def test_max_preempt_count_limits_swaps_per_step_and_the_rest_recompute(tiny_mod
         host.shutdown()
 
 
-def test_without_max_preempt_count_preemption_recomputes(tiny_model: Path) -> None:
-    host = loaded_host(_config(tiny_model, preempt=0))
+@pytest.mark.parametrize("swapper", ["1", "0"])
+def test_without_max_preempt_count_or_the_mb_swapper_preemption_recomputes(
+        tiny_model: Path, swapper: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MIES_USE_MB_SWAPPER", swapper)
+    with caplog.at_level(logging.WARNING, logger="mindie_host"):
+        host = loaded_host(_config(tiny_model, preempt=4 if swapper == "0" else 0))
     try:
         assert host.llm.scheduler.swap is None
+        if swapper == "0":  # maxPreemptCount without the variable: said at startup, never silently
+            assert any("MIES_USE_MB_SWAPPER is not 1" in r.getMessage() for r in caplog.records)
         run_engine(host, _requests())
         assert host.llm.counters["preemptions"] > 0 and host.llm.counters["swapped_out"] == 0
     finally:
@@ -92,3 +106,38 @@ def test_swap_gauges_reach_prometheus(tiny_model: Path) -> None:
         usage = next(line for line in text.splitlines() if line.startswith("cpu_cache_usage_perc"))
         assert float(usage.split()[-1]) == pytest.approx(1 / server.host.llm.scheduler.swap.pool.num_blocks)
         assert any(line.startswith("num_requests_swapped") for line in text.splitlines())
+
+
+def test_recompute_threshold_decides_between_preempting_and_waiting(tiny_model: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIES_RECOMPUTE_THRESHOLD (spec §5.1), worked by hand: 8 blocks of 16 slots; A (50 prompt tokens, 10 new)
+    and B (60 prompt tokens, 20 new) take 4 blocks each at prefill. B's 5th new token needs a 5th block while
+    A, dispatchable, holds 4 of 8 (a share of 0.5). Below a threshold of 0.51 B is preempted (and recomputed once
+    A has ended and its 65 tokens fit); at 0.5 (not below) and at 0 B waits with its blocks through A's last 5
+    steps instead. Same tokens every way."""
+    monkeypatch.setenv("MIES_USE_MB_SWAPPER", "0")
+    reqs = [EngineRequest("A", list(range(300, 350)), SamplingParams(max_tokens=10, ignore_eos=True)),
+            EngineRequest("B", list(range(400, 460)), SamplingParams(max_tokens=20, ignore_eos=True))]
+    tokens, counts = {}, {}
+    for threshold in ("0.51", "0.5", "0"):
+        monkeypatch.setenv("MIES_RECOMPUTE_THRESHOLD", threshold)
+        host = loaded_host(_config(tiny_model, preempt=0))
+        try:
+            outs = run_engine(host, reqs)
+            tokens[threshold] = {k: v.token_ids for k, v in outs.items()}
+            counts[threshold] = (host.llm.counters["preemptions"], host.llm.counters["stalls"])
+            assert host.llm.kv.num_used_blocks() == 0
+        finally:
+            host.shutdown()
+    assert tokens["0.51"] == tokens["0.5"] == tokens["0"]
+    assert counts == {"0.51": (1, 0), "0.5": (0, 5), "0": (0, 5)}, counts  # (preemptions, steps B waited)
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1", "1.5", "half"])
+def test_a_bad_recompute_threshold_or_swapper_value_stops_startup(value: str) -> None:
+    from mindie_host.config import ConfigError, config_from_dict, default_config_dict
+
+    with pytest.raises(ConfigError, match=r"MIES_RECOMPUTE_THRESHOLD: .* allowed a number in \[0, 1\)"):
+        config_from_dict(default_config_dict(), environ={"MIES_RECOMPUTE_THRESHOLD": value})
+    with pytest.raises(ConfigError, match=r"MIES_USE_MB_SWAPPER: .* allowed 0 \(off\) or 1 \(on\)"):
+        config_from_dict(default_config_dict(), environ={"MIES_USE_MB_SWAPPER": value + "x"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from mindie_host.config import ConfigError, config_from_dict, default_config_dict
 from mindie_host.server.admission import LINK_GATE
 from mindie_host.testing import RunningServer, server_config
 
@@ -179,3 +182,35 @@ def test_shared_port_keeps_probes_outside_the_business_guard(tiny_model: Path) -
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
         assert httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
         assert complete(server.url).status_code == 200
+
+
+def test_a_tokenization_past_tokenizer_encode_timeout_fails_alone(tiny_server: RunningServer,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENIZER_ENCODE_TIMEOUT: a prompt whose tokenization runs past it gets the spec's 422, while a request
+    beside it is served. The tokenizer is held on one prompt until the test lets it go; the deadline is set to
+    0.3 s on the live config (the variable's smallest value, 5 s, would only make the test slower)."""
+    host = tiny_server.host
+    monkeypatch.setattr(host.config, "environment", replace(host.config.environment, tokenizer_encode_timeout=0.3))
+    encode, release = host.tokenizer.encode, threading.Event()
+
+    def stuck_on_one_prompt(text: str, *args: Any, **kwargs: Any) -> Any:
+        if "stuck here" in text:
+            release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(host.tokenizer, "encode", stuck_on_one_prompt)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(complete, tiny_server.url, None, prompt="stuck here")
+            assert complete(tiny_server.url, None).status_code == 200
+            r = stuck.result(60)
+    finally:
+        release.set()
+    assert r.status_code == 422, r.text
+    assert "Tokenizer encode wait sub process timeout." in r.text and "TOKENIZER_ENCODE_TIMEOUT" in r.text
+
+
+@pytest.mark.parametrize("value", ["4", "301", "60.5", "a minute"])
+def test_a_bad_tokenizer_encode_timeout_stops_startup(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"TOKENIZER_ENCODE_TIMEOUT: .* allowed an integer number of seconds in \[5, 300\]"):
+        config_from_dict(default_config_dict(), environ={"TOKENIZER_ENCODE_TIMEOUT": value})

@@ -27,9 +27,20 @@ class Environment:
 
     :ivar config_poll_s: ``MINDIE_HOST_CONFIG_POLL_S``: how often the config file is read again for the keys
         the spec lets change without a restart (``LogConfig.logLevel``), in seconds; 0 turns it off.
+    :ivar recompute_threshold: ``MIES_RECOMPUTE_THRESHOLD`` in [0, 1), default 0.5: a running sequence the
+        KV pool cannot grow is preempted only when the step's dispatchable sequences hold less than this share
+        of the blocks (engine/scheduler.py); otherwise it waits a step.
+    :ivar use_mb_swapper: ``MIES_USE_MB_SWAPPER`` 1: swap preemption to the CPU (``maxPreemptCount``,
+        ``cpuMemSize``) is on; unset or 0, preempted sequences are recomputed (spec §5.1: maxPreemptCount
+        takes effect when the variable is 1).
+    :ivar tokenizer_encode_timeout: ``TOKENIZER_ENCODE_TIMEOUT`` in [5, 300] s, default 60: a prompt whose
+        tokenization takes longer fails with a 422.
     """
 
     config_poll_s: float = 2.0
+    recompute_threshold: float = 0.5
+    use_mb_swapper: bool = False
+    tokenizer_encode_timeout: float = 60.0
 
 
 def _number(env: Mapping[str, str], var: str, default: float, low: float, high: float, allowed: str,
@@ -57,7 +68,12 @@ def read_environment(env: Mapping[str, str]) -> tuple[Environment, list[ConfigEr
     """The :class:`Environment` ``env`` describes, and every problem with it (the log variables' too)."""
     errors = [ConfigError(p.var, p.value, p.allowed) for p in check_log_env(env)]
     poll = _number(env, ENV_CONFIG_POLL, 2.0, 0.0, 3600.0, "a number of seconds in [0, 3600] (0: off)", errors)
-    return Environment(config_poll_s=poll), errors
+    threshold = _number(env, "MIES_RECOMPUTE_THRESHOLD", 0.5, 0.0, 1.0, "a number in [0, 1)", errors, high_open=True)
+    swapper = _switch(env, "MIES_USE_MB_SWAPPER", errors)
+    timeout = _number(env, "TOKENIZER_ENCODE_TIMEOUT", 60, 5, 300, "an integer number of seconds in [5, 300]",
+                      errors, integer=True)
+    return Environment(config_poll_s=poll, recompute_threshold=threshold, use_mb_swapper=swapper,
+                       tokenizer_encode_timeout=float(timeout)), errors
 
 
 __all__ = ["Environment", "read_environment"]

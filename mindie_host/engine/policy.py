@@ -22,7 +22,8 @@ from .sequence import SequenceView
 
 @dataclass
 class SchedulerLimits:
-    """The batch limits a planner must respect (from ``ScheduleConfig``)."""
+    """The batch limits a planner must respect (from ``ScheduleConfig``), and ``recompute_threshold``
+    (``MIES_RECOMPUTE_THRESHOLD``), which the scheduler applies when a running sequence cannot grow."""
 
     max_batch_size: int
     max_prefill_batch_size: int
@@ -31,6 +32,7 @@ class SchedulerLimits:
     support_select_batch: bool = False
     prefill_time_ms_per_req: int = 150
     decode_time_ms_per_req: int = 50
+    recompute_threshold: float = 0.5
 
 
 @dataclass

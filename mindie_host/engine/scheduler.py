@@ -2,7 +2,9 @@
 
 :class:`Scheduler` owns the queues (waiting, running, swapped) and every state change of a
 sequence between arrival and finish: admission, preemption (by recomputation, or by swapping
-its KV out to the CPU swap space and back), and the end. It decides nothing by itself: the
+its KV out to the CPU swap space and back), and the end. A running sequence the pool cannot grow
+is preempted only when the step's dispatchable sequences hold less than ``MIES_RECOMPUTE_THRESHOLD``
+of the cache (:meth:`Scheduler._recompute_now`); otherwise it waits a step with its blocks. It decides nothing by itself: the
 policy hooks order and filter the waiting queue, plan the step (``mindie_host_plan_step``) and
 pick preemption victims; the scheduler applies their answers against the KV-cache manager
 (the block manager), preempting when the pool runs dry. A sequence whose computed KV comes
@@ -59,6 +61,7 @@ class Scheduler:
         #: the planner's scratch space, kept across steps (``SchedulerState.memo``)
         self.plan_memo: dict[str, Any] = {}
         self._swaps_this_step = 0
+        self._recompute: bool | None = None  # this step's MIES_RECOMPUTE_THRESHOLD decision, once asked
 
     # -- queues ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -86,6 +89,7 @@ class Scheduler:
         what they planned, in plan order (preempting when the pool runs dry). Every sequence in the
         returned plan is running and has blocks for its planned tokens."""
         self._swaps_this_step = 0
+        self._recompute = None
         if self.swapped:
             self._swap_in()
         if len(self.waiting) > 1:
@@ -126,13 +130,21 @@ class Scheduler:
         done: list[tuple[Sequence, int]] = []
         in_step: set[int] = set()
         preempted: set[int] = set()
+        stalled = False
         for view, n in plan.scheduled:
             seq = self.by_request.get(view.request_id)
             if seq is None or seq.status == SequenceStatus.FINISHED or seq.seq_id in preempted or n <= 0:
                 continue
             if seq.status == SequenceStatus.WAITING:
+                if stalled:  # blocks that come free go to the running sequences left waiting first
+                    continue
                 self._acquire_prefix(seq)
             n = min(n, seq.num_uncomputed)
+            if (seq.status == SequenceStatus.RUNNING and not self.kv.can_allocate(seq, n)
+                    and not self._recompute_now(plan)):
+                stalled = True  # it keeps its blocks and computes in a later step
+                self.counters["stalls"] += 1
+                continue
             while not self.kv.can_allocate(seq, n):
                 # a running sequence that cannot grow is itself a candidate: the policy may keep it over another
                 victim = self._pick_victim(seq, exclude=in_step)
@@ -170,6 +182,27 @@ class Scheduler:
             seq.num_computed = seq.num_cached_tokens = self.kv.acquire_prefix(seq)
 
     # -- preemption and swap ------------------------------------------------------------------------
+    def _recompute_now(self, plan: StepPlan) -> bool:
+        """``MIES_RECOMPUTE_THRESHOLD`` (spec §5.1, table 5-1): preempt (recompute or swap) for a running sequence
+        the pool cannot grow this step only when the running sequences of the plan that can still be dispatched
+        (whose blocks fit, in plan order, in what is free now) hold less than that share of the cache's blocks;
+        otherwise the sequence waits a step with its blocks. A larger threshold preempts more readily. When no
+        running sequence can be dispatched at all, it preempts whatever the threshold (0 included: nothing would
+        ever run again). Decided once per step, at the first sequence that cannot grow."""
+        if self._recompute is None:
+            free, held = self.kv.num_free_blocks(), 0
+            for view, n in plan.scheduled:
+                seq = self.by_request.get(view.request_id)
+                if seq is None or seq.status != SequenceStatus.RUNNING:
+                    continue
+                need = self.kv.blocks_needed(seq, min(n, seq.num_uncomputed))
+                if need <= free:
+                    free -= need
+                    held += len(self.kv.block_table(seq)) + need
+            share = held / max(self.kv.num_blocks, 1)
+            self._recompute = held == 0 or share < self.limits.recompute_threshold
+        return self._recompute
+
     def _pick_victim(self, needed_by: Sequence, exclude: set[int]) -> Sequence | None:
         """The running sequence to preempt for ``needed_by``: the ``mindie_host_preemption_victim`` hook's choice."""
         candidates = [s for s in self.running if s.seq_id not in exclude]

@@ -53,6 +53,7 @@ def build_engine(
         support_select_batch=sc.supportSelectBatch,
         prefill_time_ms_per_req=sc.prefillTimeMsPerReq,
         decode_time_ms_per_req=sc.decodeTimeMsPerReq,
+        recompute_threshold=config.environment.recompute_threshold,
     )
     swap = swap_space(config, backend)
     connector = kv_connector(plugins, config, backend, info, block_size) if config.server.inferMode == "dmi" else None
@@ -98,9 +99,15 @@ def kv_connector(
 
 
 def swap_space(config: Config, backend: ModelBackend) -> SwapSpace | None:
-    """The CPU swap space for preempted sequences: ``cpuMemSize`` GB when ``maxPreemptCount`` > 0."""
+    """The CPU swap space for preempted sequences: ``cpuMemSize`` GB when ``maxPreemptCount`` > 0 and
+    ``MIES_USE_MB_SWAPPER=1`` (spec §5.1: maxPreemptCount takes effect with the variable at 1)."""
     count, gb = config.schedule.maxPreemptCount, config.model.cpuMemSize
     if count == 0:
+        return None
+    if not config.environment.use_mb_swapper:
+        log.warning("ScheduleConfig.maxPreemptCount is %d but MIES_USE_MB_SWAPPER is not 1: swap is off and "
+                    "preempted sequences are recomputed (export MIES_USE_MB_SWAPPER=1 to swap them to cpuMemSize)",
+                    count)
         return None
     per_block = backend.swap_block_bytes()
     blocks = gb * (1 << 30) // per_block if per_block else 0

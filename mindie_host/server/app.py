@@ -75,11 +75,24 @@ def request_pool(host: Host) -> ThreadPoolExecutor:
 
 
 async def offload(host: Host, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run CPU-heavy request work (tokenisation, chat templates, tensor coding) off the event loop.
+    """Run a request's tokenization (with its chat template, or a tensor's decoding) off the event loop, within
+    ``TOKENIZER_ENCODE_TIMEOUT`` (60 s unless set): past it the request fails with the spec's 422, "Tokenizer
+    encode wait sub process timeout.", and the worker thread is left to finish and its result dropped.
 
     Probes and other requests keep being answered while a big prompt is tokenized
     (the tokenizer releases the GIL). The request id context goes along for the logs.
     """
+    timeout = host.config.environment.tokenizer_encode_timeout
+    try:
+        return await asyncio.wait_for(offload_untimed(host, fn, *args, **kwargs), timeout)
+    except TimeoutError:
+        log.warning("tokenization ran past TOKENIZER_ENCODE_TIMEOUT (%g s): the request fails", timeout)
+        raise RequestError(f"Tokenizer encode wait sub process timeout. (TOKENIZER_ENCODE_TIMEOUT is {timeout:g} s)",
+                           status=422) from None
+
+
+async def offload_untimed(host: Host, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """:func:`offload` without the tokenization deadline: other CPU-heavy work (a grammar, a template's probe)."""
     ctx = contextvars.copy_context()
     call = functools.partial(ctx.run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(request_pool(host), call)

@@ -20,7 +20,16 @@ from .. import hookimpl
 from ..chat_template import fit_roles, template_kwargs, template_profile
 from ..engine.request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from ..structured import llg, parse_structured
-from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
+from .app import (
+    error_response,
+    json_response,
+    offload,
+    offload_untimed,
+    read_json,
+    sse_event,
+    streaming_response,
+    until_disconnect,
+)
 from .chat_stream import ChoiceStream
 from .openai_parse import ParsedRequest, chat_messages, completion_prompts, make_fields, parse_common
 from .outcome import failure, finish_reason, raise_for_failure
@@ -162,14 +171,14 @@ class OpenAIServer:
             f = make_fields(host, body)
             parsed = parse_common(host, f, chat=True)
             messages = chat_messages(f)
-            profile = await offload(host, template_profile, host)  # probed once per template, off the event loop
+            profile = await offload_untimed(host, template_profile, host)  # probed once per template, off the event loop
             plan = plan_tools(host, f.raw("tools"), f.raw("tool_choice"),
                               parallel=f.bool("parallel_tool_calls", True) is not False)
             structured = parse_structured(body)
             if structured is not None and plan.constrained:
                 raise RequestError(f"{structured.field} cannot be combined with a required or named tool_choice",
                                    field=structured.field, status=400)
-            grammar = await offload(host, llg.compile_grammar, structured) if structured is not None else None
+            grammar = await offload_untimed(host, llg.compile_grammar, structured) if structured is not None else None
             kwargs = template_kwargs(f.raw("chat_template_kwargs"), profile)
             messages, tools = plan.prepare(messages, profile)
             prompt = await offload(host, host.apply_chat_template, fit_roles(messages, profile), tools=tools, **kwargs)
@@ -317,7 +326,7 @@ class OpenAIServer:
             prompts = completion_prompts(f.raw("prompt"))
             echo = bool(f.bool("echo", False))
             structured = parse_structured(body)
-            grammar = await offload(host, llg.compile_grammar, structured) if structured is not None else None
+            grammar = await offload_untimed(host, llg.compile_grammar, structured) if structured is not None else None
             base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
             reqs = await offload(host, self.make_requests, body, parsed, prompts, base_id)
             await constrain(host, reqs, grammar)

@@ -72,10 +72,12 @@ def plain(tiny_family: Callable[[str], Path]) -> Callable[[str], list[list[int]]
 # glm4's layers are glm's with two more norms (the same fused gate/up and attention slices): glm4 stands for both
 @pytest.mark.parametrize("name", [name for name in PLUGIN_FAMILIES if name != "glm"])
 def test_two_ranks_with_prefix_cache_splitfuse_and_swap_equal_one(
-    name: str, tiny_family: Callable[[str], Path], plain: Callable[[str], list[list[int]]]
+    name: str, tiny_family: Callable[[str], Path], plain: Callable[[str], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two tensor-parallel ranks with prefix_cache and splitfuse, on a pool small enough that sequences are swapped
-    out and back: one plain rank's greedy tokens."""
+    out and back (MIES_USE_MB_SWAPPER=1 turns swap on): one plain rank's greedy tokens."""
+    monkeypatch.setenv("MIES_USE_MB_SWAPPER", "1")
     cfg = _config(
         tiny_family(name),
         2,
