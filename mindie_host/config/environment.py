@@ -35,12 +35,22 @@ class Environment:
         takes effect when the variable is 1).
     :ivar tokenizer_encode_timeout: ``TOKENIZER_ENCODE_TIMEOUT`` in [5, 300] s, default 60: a prompt whose
         tokenization takes longer fails with a 422.
+    :ivar profiler: ``MIES_PROFILER_MODE`` 1: a torch profiler trace (Chrome trace format) of the engine's first
+        ``profiler_steps`` steps (``MINDIE_HOST_PROFILER_STEPS``, 10) in ``profiler_dir``.
+    :ivar memory_detector: ``MIES_MEMORY_DETECTOR_MODE`` 1: a memory report (JSON lines) when the engine is built and
+        every ``memory_report_steps`` steps (``MINDIE_HOST_MEMORY_REPORT_STEPS``, 100) in ``profiler_dir``.
+    :ivar profiler_dir: ``MINDIE_HOST_PROFILER_DIR`` (``profiler``): the folder of both, relative to the log file's.
     """
 
     config_poll_s: float = 2.0
     recompute_threshold: float = 0.5
     use_mb_swapper: bool = False
     tokenizer_encode_timeout: float = 60.0
+    profiler: bool = False
+    profiler_steps: int = 10
+    memory_detector: bool = False
+    memory_report_steps: int = 100
+    profiler_dir: str = "profiler"
 
 
 def _number(env: Mapping[str, str], var: str, default: float, low: float, high: float, allowed: str,
@@ -72,8 +82,19 @@ def read_environment(env: Mapping[str, str]) -> tuple[Environment, list[ConfigEr
     swapper = _switch(env, "MIES_USE_MB_SWAPPER", errors)
     timeout = _number(env, "TOKENIZER_ENCODE_TIMEOUT", 60, 5, 300, "an integer number of seconds in [5, 300]",
                       errors, integer=True)
-    return Environment(config_poll_s=poll, recompute_threshold=threshold, use_mb_swapper=swapper,
-                       tokenizer_encode_timeout=float(timeout)), errors
+    steps = _number(env, "MINDIE_HOST_PROFILER_STEPS", 10, 1, 100_000, "an integer in [1, 100000]", errors,
+                    integer=True)
+    every = _number(env, "MINDIE_HOST_MEMORY_REPORT_STEPS", 100, 1, 10**9, "an integer in [1, 1000000000]", errors,
+                    integer=True)
+    folder = env.get("MINDIE_HOST_PROFILER_DIR", "").strip() or "profiler"
+    if len(folder) > 4096 or "\0" in folder:
+        errors.append(ConfigError("MINDIE_HOST_PROFILER_DIR", folder[:80], "a folder path of at most 4096 characters"))
+    return Environment(
+        config_poll_s=poll, recompute_threshold=threshold, use_mb_swapper=swapper,
+        tokenizer_encode_timeout=float(timeout), profiler=_switch(env, "MIES_PROFILER_MODE", errors),
+        profiler_steps=steps, memory_detector=_switch(env, "MIES_MEMORY_DETECTOR_MODE", errors),
+        memory_report_steps=every, profiler_dir=folder,
+    ), errors
 
 
 __all__ = ["Environment", "read_environment"]

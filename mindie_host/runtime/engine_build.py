@@ -15,6 +15,7 @@ from ..engine.policy import SchedulerLimits
 from ..engine.swap import SwapSpace
 from ..kv_sizing import plan_kv_pool
 from ..plugins import PluginError, PluginHost
+from .diagnostics import install_diagnostics
 
 log = logging.getLogger("mindie_host")
 
@@ -70,6 +71,7 @@ def build_engine(
         connector=connector,
     )
     log.info("%s", plan.describe(info.device))
+    install_diagnostics(llm, config)  # MIES_PROFILER_MODE, MIES_MEMORY_DETECTOR_MODE
     return llm
 
 
