@@ -137,6 +137,7 @@ HOOK_CONCERNS: dict[str, type[PluginContext]] = {
     "mindie_host_reasoning_parser": RequestContext,
     "mindie_host_served_models": RequestContext,
     "mindie_host_order_waiting": SchedulingContext,
+    "mindie_host_order_running": SchedulingContext,
     "mindie_host_filter_waiting": SchedulingContext,
     "mindie_host_plan_step": SchedulingContext,
     "mindie_host_preemption_victim": SchedulingContext,

@@ -284,8 +284,26 @@ def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView
     :param now: ``time.monotonic()`` of this step.
     :return: the same sequences in admission order, or ``None`` to defer to the
         next implementation. firstresult; the builtin honours
-        ``prefillPolicyType`` (0/1 FCFS, 2 priority) and ``policyType``
-        (4 shortest job first, 5 longest job first).
+        ``prefillPolicyType`` (0/1 FCFS, 2 priority, 3 MLFQ) and ``policyType``
+        (4 shortest job first, 5 longest job first, 6 Skip-Join MLFQ).
+    """
+
+
+@hookspec(firstresult=True)
+def mindie_host_order_running(ctx: SchedulingContext, running: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
+    """Order the running batch (the sequences holding KV blocks) for this step.
+
+    The planner sees them in this order: with more running than ``maxBatchSize``
+    the first decode, blocks for growing go to them first, and the preemption
+    victims' candidates come in this order.
+
+    :param running: the running sequences, in the order of the last step (admission
+        order at first). Do not mutate them.
+    :param config: the whole config (``config.schedule.decodePolicyType`` ...).
+    :param now: ``time.monotonic()`` of this step.
+    :return: the same sequences in order, or ``None`` to defer. firstresult; the
+        builtin honours ``decodePolicyType`` (0 FCFS keeps the admission order, 1 STATE,
+        2 priority, 3 MLFQ) and ``policyType`` 6 (Skip-Join MLFQ).
     """
 
 

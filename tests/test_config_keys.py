@@ -84,6 +84,8 @@ def test_keys_without_effect_are_reported() -> None:
          "BackendConfig.ScheduleConfig.enablePrefixCache: got true without the prefix_cache plugin, which serves "
          "Prefix Cache; add 'prefix_cache' to ModelConfig[0].plugin_params' plugin_type (installed by: pip install "
          "mindie-plugin-prefix-cache)"),
+        ({"BackendConfig__ScheduleConfig__policyType": 7},
+         "BackendConfig.ScheduleConfig.policyType: got 7 (SJF-MLFQ); allowed 0 (FCFS), 4 (SJF), 5 (LJF) or 6"),
         ({"BackendConfig__ScheduleConfig__splitChunkTokens": 64},
          "BackendConfig.ScheduleConfig.splitChunkTokens: got 64 with templateType 'Standard'; SplitFuse's keys act "
          "only in the Mix template"),

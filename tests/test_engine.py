@@ -216,19 +216,24 @@ def test_incremental_detokenization_never_splits_utf8(tiny_host) -> None:
     assert "".join(pieces) == text == final.text
 
 
-def test_preemption_recomputes_without_dropping(tiny_model: Path) -> None:
+@pytest.mark.parametrize("policy", [{}, {"policyType": 6, "maxBatchSize": 2, "maxPrefillBatchSize": 2}],
+                         ids=["fcfs", "skip-join-mlfq"])
+def test_preemption_recomputes_without_dropping(tiny_model: Path, tiny_host, policy: dict[str, int]) -> None:
+    """A pool too small for the batch preempts; each policy (Skip-Join MLFQ also pausing the running jobs beyond
+    maxBatchSize 2) gives every request the tokens it gets alone."""
+    schedule = {"cacheBlockSize": 16, "maxBatchSize": 8, "maxPrefillBatchSize": 8, "maxIterTimes": 100,
+                "maxPrefillTokens": 4096, **policy}
     cfg = server_config(tiny_model, model={"maxKvBlocks": 8}, deploy={"maxSeqLen": 128, "maxInputTokenLen": 64},
-                        schedule={"cacheBlockSize": 16, "maxBatchSize": 8, "maxPrefillBatchSize": 8,
-                                  "maxIterTimes": 100, "maxPrefillTokens": 4096})
+                        schedule=schedule)
     host = loaded_host(cfg)
-    prompts = [list(range(200 + 7 * i, 240 + 7 * i)) for i in range(4)]
-    reqs = [EngineRequest(f"p{i}", p, greedy(60)) for i, p in enumerate(prompts)]
+    prompts = [list(range(200 + 7 * i, 240 + 7 * i - 9 * (i % 2))) for i in range(4)]
+    reqs = [EngineRequest(f"p{i}", p, greedy(32)) for i, p in enumerate(prompts)]
     outs = run_engine(host, reqs)
     assert host.llm.counters["preemptions"] > 0
     assert host.llm.kv.num_used_blocks() == 0
-    for i, p in enumerate(prompts):  # same tokens as running alone
-        alone = run_engine(host, [EngineRequest(f"a{i}", p, greedy(60))])[f"a{i}"]
-        assert outs[f"p{i}"].token_ids == alone.token_ids
+    alone = run_engine(tiny_host, [EngineRequest(f"a{i}", p, greedy(32)) for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):  # the tokens of an unpreempted run
+        assert outs[f"p{i}"].token_ids == alone[f"a{i}"].token_ids
         assert outs[f"p{i}"].finish_reason == "length"
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from mindie_host.api import (
     EngineRequest,
@@ -14,8 +17,10 @@ from mindie_host.api import (
 )
 from mindie_host.cli import build_config, parser
 from mindie_host.config import config_from_dict, default_config_dict
-from mindie_host.engine.builtin_policy import mindie_host_order_waiting
+from mindie_host.engine.scheduler import Scheduler
 from mindie_host.engine.sequence import Sequence, SequenceStatus
+from mindie_host.engine.skip_join import SkipJoinMLFQ
+from mindie_host.plugins import PluginHost
 
 
 def seq(i: int, prompt_len: int, arrival: float, priority: int = 3, max_new: int = 16) -> Sequence:
@@ -36,13 +41,120 @@ def config_with(**schedule: object):
     return config_from_dict(data)
 
 
+def order_waiting(waiting: list[Sequence], **schedule: object) -> list[int]:
+    plugins = PluginHost()
+    plugins.bind(config_with(**schedule))
+    ordered = plugins.hook.mindie_host_order_waiting(waiting=waiting, config=plugins._config, now=0.0)
+    return [s.seq_id for s in ordered]
+
+
 def test_order_policies() -> None:
     waiting = [seq(0, 30, 1.0, priority=4), seq(1, 5, 2.0, priority=1), seq(2, 60, 3.0, priority=2)]
-    ids = lambda xs: [s.seq_id for s in xs]  # noqa: E731
-    assert ids(mindie_host_order_waiting(waiting, config_with(), 0.0)) == [0, 1, 2]
-    assert ids(mindie_host_order_waiting(waiting, config_with(prefillPolicyType=2), 0.0)) == [1, 2, 0]
-    assert ids(mindie_host_order_waiting(waiting, config_with(policyType=4), 0.0)) == [1, 0, 2]
-    assert ids(mindie_host_order_waiting(waiting, config_with(policyType=5), 0.0)) == [2, 0, 1]
+    assert order_waiting(waiting) == order_waiting(waiting, prefillPolicyType=1) == [0, 1, 2]
+    assert order_waiting(waiting, prefillPolicyType=2) == [1, 2, 0]
+    assert order_waiting(waiting, policyType=4) == [1, 0, 2]
+    assert order_waiting(waiting, policyType=5) == [2, 0, 1]
+    # Skip-Join MLFQ: queues 5, 3 and 6 by prompt length (the first quantum covering the prompt: 32, 8, 64)
+    assert order_waiting(waiting, policyType=6) == [1, 0, 2]
+    waiting[2].num_preemptions = 1
+    assert order_waiting(waiting, prefillPolicyType=3) == [0, 1, 2]
+    waiting[0].num_preemptions = 2
+    assert order_waiting(waiting, prefillPolicyType=3) == [1, 2, 0]
+
+
+class Sim:
+    """The engine's scheduler and the builtin policy hooks stepping sequences without a model, one second a step:
+    each step's plan is taken as computed, a sequence whose tokens are all computed gets its next token, and one
+    with ``max_new`` tokens finishes. The KV pool has ``blocks`` blocks of 2 tokens."""
+
+    def __init__(self, blocks: int, **schedule: object) -> None:
+        config = config_with(cacheBlockSize=2, maxPrefillBatchSize=0, **schedule)
+        self.plugins = PluginHost()
+        self.plugins.bind(config)
+        sc = config.schedule
+        lim = limits(max_batch_size=sc.maxBatchSize, max_prefill_batch_size=sc.prefill_batch_limit,
+                     max_queue_delay_s=0.0005)
+        self.scheduler = Scheduler(KVCacheManager(blocks, 2), lim, self.plugins.hook, config, None,  # type: ignore[arg-type]
+                                   Counter())
+        self.now = 3.0  # the requests arrive at -1 to 2
+
+    def run(self, seqs: list[Sequence]) -> list[str]:
+        """Each step's plan (request ids, in plan order) until every sequence finished."""
+        for s in seqs:
+            self.scheduler.add(s)
+        steps = []
+        while self.scheduler.has_work() and len(steps) < 50:
+            plan = self.scheduler.schedule(self.now)
+            self.scheduler.mark_computed(plan)
+            for s, _ in plan.scheduled:
+                if s.num_uncomputed == 0:
+                    s.token_ids.append(7)  # type: ignore[attr-defined]
+                    if s.num_output_tokens >= s.max_new_tokens:
+                        self.scheduler.finish(s, "length")  # type: ignore[arg-type]
+            steps.append(" ".join(s.request_id for s, _ in plan.scheduled))
+            self.now += 1.0
+        return steps
+
+
+def history(prompt_len: int, arrival: float, name: str, max_new: int, preempted: int = 0) -> Sequence:
+    s = seq(int(arrival * 10) + 100, prompt_len, arrival, max_new=max_new)
+    s.request_id, s.num_preemptions = name, preempted
+    return s
+
+
+def preempted_beside_fresh() -> list[Sequence]:
+    """d and c arrived first but were preempted before (twice, once); a and b are fresh. 2-token prompts, 4 new
+    tokens each: in an 8-block pool all four fit until their fifth token, when one must give its blocks back."""
+    return [history(2, -1.0, "d", 4, preempted=2), history(2, 0.0, "c", 4, preempted=1),
+            history(2, 1.0, "a", 4), history(2, 2.0, "b", 4)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "steps"),
+    [
+        # FCFS: the running batch in admission order; at the fifth token the pool is dry: d finds no block and the
+        # builtin victim, the latest arrival, is b; then a finds none and only itself is left to give way
+        ({}, ["d c a b", "d c a b", "d c a b", "d c", "a b"]),
+        # STATE: the never-preempted a and b first, then d and c by arrival; the victims come from the end: c, then d
+        ({"decodePolicyType": 1}, ["d c a b", "a b d c", "a b d c", "a b", "d c"]),
+        # MLFQ (FCFS and STATE combined): one queue per preemption count, so c (once) before d (twice); d gives way
+        # first, then c; FCFS admission brings them back by arrival
+        ({"decodePolicyType": 3}, ["d c a b", "a b c d", "a b c d", "a b", "d c"]),
+        # ... and with MLFQ at prefill too, admission follows the same queues (then c has been preempted twice, d
+        # three times)
+        ({"decodePolicyType": 3, "prefillPolicyType": 3}, ["a b c d", "a b c d", "a b c d", "a b", "c d"]),
+        # STATE at prefill is FCFS, as the spec defines it
+        ({"decodePolicyType": 1, "prefillPolicyType": 1}, ["d c a b", "a b d c", "a b d c", "a b", "d c"]),
+    ],
+)
+def test_decode_policies_follow_a_hand_worked_schedule(schedule: dict[str, int], steps: list[str]) -> None:
+    assert Sim(8, maxBatchSize=4, **schedule).run(preempted_beside_fresh()) == steps
+
+
+def test_skip_join_mlfq_follows_a_hand_worked_schedule() -> None:
+    """maxBatchSize 2; L (8-token prompt, arrived first) joins queue 3, s1 (1 token) queue 0, s2 (2 tokens) queue 1.
+
+    s1 and s2 run first; with 4 new tokens s2 has been served 2+4 units and falls to queue 3 (beyond its quanta
+    2+4), where L, which arrived earlier, comes first: L is prefilled (step 5). L's 8+1 units put it in queue 4, so s1
+    and s2 are the two served next, and L, holding its blocks, is paused until they finish."""
+    seqs = [history(8, 0.0, "L", 2), history(1, 1.0, "s1", 6), history(2, 2.0, "s2", 6)]
+    assert Sim(64, maxBatchSize=2, policyType=6).run(seqs) == [
+        "s1 s2", "s1 s2", "s1 s2", "s1 s2", "L", "s1 s2", "s1 s2", "L"]
+    # FCFS on the same requests: L and s1 first, s2 once s1 is done
+    seqs = [history(8, 0.0, "L", 2), history(1, 1.0, "s1", 6), history(2, 2.0, "s2", 6)]
+    assert Sim(64, maxBatchSize=2).run(seqs) == ["L s1", "L s1", "s2", "s1 s2", "s1 s2", "s1 s2", "s1 s2", "s2"]
+
+
+def test_skip_join_mlfq_promotes_a_starving_job() -> None:
+    mlfq = SkipJoinMLFQ(starve_limit_s=10.0)
+    long = seq(0, 64, arrival=100.0)
+    assert mlfq.queue(long, 109.0) == 6  # joined queue 6 (a 64-token first iteration)
+    assert mlfq.queue(long, 110.0) == 0  # waited 10 s: promoted to queue 0, its quanta restart there
+    long.token_ids += [7] * 2  # served its prompt and 2 tokens since: 2 units beyond the promotion ...
+    mlfq.promoted_at[long.request_id] = 64
+    assert mlfq.queue(long, 111.0) == 1  # ... past queue 0's single unit
+    mlfq.forget(long.request_id)
+    assert not mlfq.last_run and not mlfq.promoted_at
 
 
 def test_prefill_batch_respects_token_and_count_limits() -> None:

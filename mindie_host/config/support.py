@@ -60,6 +60,12 @@ def unsupported(config: Config) -> list[str]:
     srv, be = config.ServerConfig, config.BackendConfig
     if srv.inferMode == "dmi":
         errors.extend(_dmi_errors(config))
+    if be.ScheduleConfig.policyType == 7:
+        errors.append(
+            "BackendConfig.ScheduleConfig.policyType: got 7 (SJF-MLFQ); allowed 0 (FCFS), 4 (SJF), 5 (LJF) or 6 "
+            "(Skip-Join MLFQ): the spec only names SJF-MLFQ and no published form of it was found to implement "
+            "(docs/compatibility.md)"
+        )
     if be.multiNodesInferEnabled and be.interNodeTLSEnabled:
         errors.append(
             "BackendConfig.interNodeTLSEnabled: got true with multiNodesInferEnabled; allowed false: the ranks talk "

@@ -1,9 +1,10 @@
 """Scheduling policy types and the host's built-in policies.
 
-Each engine step the scheduler asks two hooks what to do:
+Each engine step the scheduler asks these hooks what to do:
 
 * ``mindie_host_order_waiting`` puts the waiting queue in the order requests
-  should be admitted (FCFS, priority, shortest/longest job first, ...);
+  should be admitted (FCFS, priority, shortest/longest job first, ...), and
+  ``mindie_host_order_running`` the running batch in the order it is served;
 * ``mindie_host_plan_step`` picks which sequences run in this step and how many
   tokens each computes (a :class:`StepPlan`).
 
@@ -39,7 +40,7 @@ class SchedulerLimits:
 class SchedulerState:
     """What a planner sees when it builds one step.
 
-    ``running`` sequences are admitted and hold KV blocks, in admission order.
+    ``running`` sequences are admitted and hold KV blocks, ordered by ``mindie_host_order_running``.
     ``waiting`` is already ordered by ``mindie_host_order_waiting``. ``kv`` may be
     queried (``can_allocate``, ``blocks_needed``, ``num_free_blocks``) but not changed.
     ``memo`` is the planner's own scratch space, kept across steps.
@@ -102,6 +103,17 @@ def order_longest_first(waiting: list[SequenceView]) -> list[SequenceView]:
     )
 
 
+def order_state(seqs: list[SequenceView]) -> list[SequenceView]:
+    """STATE: sequences never preempted or swapped out first, then the others; arrival order within each."""
+    return sorted(seqs, key=lambda s: (s.num_preemptions > 0, s.arrival_time))
+
+
+def order_by_preemptions(seqs: list[SequenceView]) -> list[SequenceView]:
+    """MLFQ as MindIE defines it, the combination of FCFS and STATE: one queue per number of times a sequence was
+    preempted or swapped out (each preemption moves it down one), served from the top; arrival order within each."""
+    return sorted(seqs, key=lambda s: (s.num_preemptions, s.arrival_time))
+
+
 # -- the Standard template -----------------------------------------------------------------
 def admit_prefills(state: SchedulerState, token_budget: int, seq_budget: int) -> list[tuple[SequenceView, int]]:
     """Take waiting sequences in order while token, batch and block budgets allow.
@@ -130,7 +142,7 @@ def admit_prefills(state: SchedulerState, token_budget: int, seq_budget: int) ->
     return picked
 
 
-def _prefill_turn(state: SchedulerState) -> bool:
+def prefill_turn(state: SchedulerState) -> bool:
     """Whether this step should run prefills (True) or decodes (False) in the Standard template."""
     limits = state.limits
     if not state.waiting:
@@ -163,7 +175,7 @@ def _prefill_turn(state: SchedulerState) -> bool:
 def plan_standard(state: SchedulerState) -> StepPlan:
     """MindIE's ``Standard`` template: a step is either all prefills or all decodes."""
     limits = state.limits
-    if _prefill_turn(state):
+    if prefill_turn(state):
         room = min(limits.max_prefill_batch_size, limits.max_batch_size - len(state.running))
         picked = admit_prefills(state, limits.max_prefill_tokens, room)
         if picked:

@@ -31,7 +31,7 @@ class Scheduler:
     """The queues of live sequences, turned each step into a plan the KV cache can hold.
 
     :ivar waiting: admitted to the engine but holding no blocks (new, or preempted to recompute), in queue order.
-    :ivar running: holding KV blocks, in admission order.
+    :ivar running: holding KV blocks, in the order ``mindie_host_order_running`` gave (admission order at first).
     :ivar swapped: preempted with their KV in the swap space, oldest first.
     :ivar by_request: every live sequence by request id, also those outside the queues (KV on its way).
     :ivar counters: the engine's counters (shared), for preemptions, swaps and finishes.
@@ -96,6 +96,10 @@ class Scheduler:
             ordered = self.hook.mindie_host_order_waiting(waiting=list(self.waiting), config=self.config, now=now)
             if ordered is not None:
                 self.waiting = list(ordered)
+        if self.running:
+            ordered = self.hook.mindie_host_order_running(running=list(self.running), config=self.config, now=now)
+            if ordered is not None:
+                self.running = list(ordered)
         for seq in self.waiting[: self.limits.max_batch_size]:
             if seq.request.sampling.prompt_logprobs is None:
                 # what the cache could supply now (a pure query: the blocks are held only on admission);

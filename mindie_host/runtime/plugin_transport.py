@@ -25,6 +25,7 @@ ENGINE_HOOKS = frozenset(
         "mindie_host_backend_types",
         "mindie_host_kv_cache_manager",
         "mindie_host_order_waiting",
+        "mindie_host_order_running",
         "mindie_host_filter_waiting",
         "mindie_host_plan_step",
         "mindie_host_preemption_victim",
