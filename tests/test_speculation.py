@@ -287,9 +287,9 @@ def test_speculator_refuses_malformed_drafts(host: Any) -> None:
     assert spec.active() is False
 
 
-def test_constrained_requests_are_not_offered(host: Any) -> None:
-    """A request with a logits constraint (structured outputs: its grammar state only moves forward) decodes
-    without drafts beside one that takes them."""
+def test_a_constraint_that_cannot_fork_is_not_offered(host: Any) -> None:
+    """A request whose logits constraint has no ``fork`` (its state only moves forward) decodes without drafts
+    beside one that takes them."""
     offered: set[str] = set()
 
     class Recorder:
@@ -302,3 +302,53 @@ def test_constrained_requests_are_not_offered(host: Any) -> None:
     reqs[0].logits_constraint = lambda ids: None
     got = with_proposer(host, Recorder(), reqs)
     assert offered == {"g1"} and all(len(o.token_ids) == 6 for o in got.values())
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}
+
+
+def constrained(host: Any, prefix: str) -> list[EngineRequest]:
+    """Greedy requests under the builtin JSON constraint and under llguidance's (a regex), fresh constraints."""
+    from mindie_host.structured.json_grammar import JsonConstraint
+    from mindie_host.structured.llg import GrammarConstraint
+    from mindie_host.structured.spec import StructuredSpec
+
+    reqs = requests(host, prefix, max_tokens=24, ignore_eos=False)[:4]
+    for i, req in enumerate(reqs):
+        req.logits_constraint = (JsonConstraint.for_schema(host, SCHEMA) if i % 2 == 0 else GrammarConstraint.for_spec(
+            host, StructuredSpec("regex", r"(yes|no|maybe)( [a-z]{1,6}){2,5}\.", "guided_regex")))
+    return reqs
+
+
+def test_constrained_drafts_are_cut_at_the_grammar_and_verified_under_its_mask(host: Any) -> None:
+    """Structured outputs take drafts: each is checked on a fork of the constraint (cut at the first token the
+    grammar refuses), and each verification row is masked as plain decoding masks its row, so the output is the
+    output without drafts (each reference request alone; with drafts, batched)."""
+    reference: dict[str, Any] = {}
+    for req in constrained(host, "c"):
+        reference.update(run_engine(host, [req]))
+    ref_ids = {rid: out.token_ids for rid, out in reference.items()}
+    assert all(len(ids) > 3 for ids in ref_ids.values())
+    # every third draft corrupted: (t + 7) % 1000 is mostly outside the grammar, so drafts are also cut there
+    proposer = CopyProposer(ref_ids)
+    before = host.llm.counters["spec_draft_tokens"]
+    got = with_proposer(host, proposer, constrained(host, "c"))
+    assert {rid: out.token_ids for rid, out in got.items()} == ref_ids
+    accepted = sum(o.accepted for o in proposer.outcomes)
+    proposed = sum(o.proposed for o in proposer.outcomes)
+    assert accepted > 0 and proposed > 0
+    assert host.llm.counters["spec_draft_tokens"] - before == proposed
+    assert host.llm.kv.num_used_blocks() == 0
+    # a proposer of tokens the grammar never allows first (a draft of EOS right away) gets nothing verified
+    eos = host.tokenizer.eos_token_id
+
+    class Refused:
+        @hookimpl
+        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+            return [Drafts([eos, eos]) if len(s.token_ids) == s.prompt_len + 1 else None for s in seqs]
+
+    before_drafts = host.llm.counters["spec_draft_tokens"]
+    got = with_proposer(host, Refused(), constrained(host, "c"))
+    assert {rid: out.token_ids for rid, out in got.items()} == ref_ids
+    assert host.llm.counters["spec_draft_tokens"] == before_drafts

@@ -134,7 +134,9 @@ class EngineRequest:
     timeout: float | None = None
     extensions: dict[str, Any] = field(default_factory=dict)
     #: Called by the engine thread to constrain the next token (e.g. JSON for tool calls).
-    #: Receives the generated token ids so far, returns allowed token ids or None.
+    #: Receives the generated token ids so far, returns allowed token ids or None. When it also has
+    #: ``fork()`` (an independent copy at the same point, or None), the request takes speculative
+    #: drafts, checked on a fork; without it the request decodes one token a step.
     logits_constraint: Any = None
     #: Plugin-owned per-request payload for the model backend (e.g. the ``multimodal`` plugin's
     #: images); the engine never looks inside, it hands it to the backend with every step that

@@ -7,6 +7,7 @@ the same tokens whether it runs alone or in a batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .request import SamplingParams, TokenLogprob
@@ -79,8 +80,10 @@ def constrain_row(
     if params.logit_bias:
         apply_logit_bias(row, params.logit_bias)
     if allowed is not None:
+        # an allowed set is often most of the vocabulary (inside a JSON string): numpy builds its index from a list
+        # of ints ~20x faster than torch.tensor does
         mask = torch.full_like(row, float("-inf"))
-        mask[torch.tensor(allowed, dtype=torch.long)] = 0.0
+        mask[torch.from_numpy(np.asarray(allowed, dtype=np.int64))] = 0.0
         row += mask
     if banned:
         row[torch.tensor(banned, dtype=torch.long)] = float("-inf")

@@ -21,8 +21,13 @@ always makes at least one. Logprobs are the target's. The KV of rejected drafts 
 freed, and a prefix cache keys only blocks of accepted tokens); the proposer hears what was
 accepted (``mindie_host_drafts_accepted``) so it can roll its own state back.
 
-Sequences with a logits constraint (structured outputs), a backend payload (images), a KV export (a PD
-prefill instance) or no budget left for a draft are not offered: they decode one token a step as before.
+A sequence with a logits constraint (structured outputs) takes drafts when its constraint can ``fork``
+(an independent copy at the same point: the builtin JSON, llguidance and after-reasoning constraints can):
+the drafts are walked on a fork, cut at the first one the grammar does not allow, and each verification
+row is masked with the allowed set at its position, as plain decoding masks its one row, so a constrained
+output with drafts is the output without them. Sequences with a constraint that cannot fork, a backend
+payload (images), a KV export (a PD prefill instance) or no budget left for a draft are not offered: they
+decode one token a step as before.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .kv_cache import KVCacheManager
@@ -116,6 +122,8 @@ class Speculator:
         self.outputs = outputs
         self.counters = counters
         self.vocab_size = vocab_size
+        #: this step's allowed sets of constrained sequences: seq_id -> one per verification row
+        self.masks: dict[int, list[Any]] = {}
 
     def active(self) -> bool:
         """Whether any plugin implements the proposer hook."""
@@ -125,7 +133,9 @@ class Speculator:
     def _eligible(seq: Sequence, n: int) -> int:
         """How many drafts ``seq`` may take this step (0: it is not offered)."""
         req = seq.request
-        if n != 1 or seq.num_computed + 1 != seq.num_tokens or req.logits_constraint is not None:
+        if n != 1 or seq.num_computed + 1 != seq.num_tokens:
+            return 0
+        if req.logits_constraint is not None and not callable(getattr(req.logits_constraint, "fork", None)):
             return 0
         if req.payload is not None:
             return 0
@@ -135,6 +145,7 @@ class Speculator:
 
     def propose(self, plan: StepPlan) -> dict[int, Drafts]:
         """The drafts of this step's decoding sequences, by ``seq_id``, with KV blocks allocated for them."""
+        self.masks = {}
         seqs: list[Sequence] = []
         views: list[DraftRequest] = []
         for seq, n in plan.scheduled:  # type: ignore[assignment]
@@ -171,6 +182,17 @@ class Speculator:
                           seq.request_id)
                 self.counters["spec_proposer_errors"] += 1
                 continue
+            constraint = seq.request.logits_constraint
+            if constraint is not None:
+                try:
+                    masks = draft_masks(constraint, seq.output_token_ids, tokens)
+                except Exception:
+                    log.exception("the logits constraint of %s failed on its drafts; it decodes without them",
+                                  seq.request_id)
+                    continue
+                if masks is None:
+                    continue
+                tokens = tokens[: len(masks) - 1]
             m = len(tokens)
             while m and not self.kv.can_allocate(seq, 1 + m):
                 m -= 1  # the cache is short: fewer drafts (never a preemption for a draft)
@@ -179,6 +201,8 @@ class Speculator:
             self.kv.allocate(seq, 1 + m)
             probs = None if got.probs is None else got.probs[:m].float().cpu()
             drafts[seq.seq_id] = Drafts(tokens[:m], probs)
+            if constraint is not None:
+                self.masks[seq.seq_id] = masks[: m + 1]
         return drafts
 
     def verify(self, seq: Sequence, rows: torch.Tensor, drafts: Drafts) -> tuple[list[int], list[TokenLogprob | None], int]:
@@ -195,13 +219,15 @@ class Speculator:
         penalties = params.needs_penalties
         prompt = seq.token_ids[: seq.prompt_len] if penalties else []
         output = seq.output_token_ids if penalties else []
+        masks = self.masks.pop(seq.seq_id, None)
         out: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for i in range(len(tokens) + 1):
             row = rows[i]
             banned = self.outputs.banned_tokens(seq, i)
-            if penalties or banned or params.logit_bias or not params.greedy:
-                constrain_row(row, params, prompt, output + tokens[:i] if penalties else output, None, banned)
+            allowed = masks[i] if masks is not None else None
+            if penalties or banned or params.logit_bias or not params.greedy or allowed is not None:
+                constrain_row(row, params, prompt, output + tokens[:i] if penalties else output, allowed, banned)
             if params.greedy:
                 token = int(row.argmax().item())
                 accepted = i < len(tokens) and token == tokens[i]
@@ -255,6 +281,29 @@ class Speculator:
             except Exception:
                 log.exception("the draft proposer failed on the step's outcomes")
                 self.counters["spec_proposer_errors"] += 1
+
+
+def draft_masks(constraint: Any, output: list[int], drafts: list[int]) -> list[Any] | None:
+    """The allowed sets of a constrained sequence's verification rows: entry ``i`` is what ``constraint`` allows
+    after ``output + drafts[:i]``; the list stops after the first draft it does not allow (so ``len - 1`` drafts
+    stand). Walked on a fork: the constraint itself does not move. None when it cannot fork."""
+    twin = constraint.fork()
+    if twin is None:
+        return None
+    masks = [twin(output)]
+    for i, token in enumerate(drafts):
+        if not _allows(masks[-1], token):
+            break
+        masks.append(twin(output + drafts[: i + 1]))
+    return masks
+
+
+def _allows(allowed: Any, token: int) -> bool:
+    if allowed is None:  # the constraint lets everything through
+        return True
+    if isinstance(allowed, torch.Tensor | np.ndarray):
+        return bool((allowed == token).any())
+    return token in allowed
 
 
 #: The request body field (any protocol, top level) that turns speculative decoding off for one request.

@@ -94,6 +94,16 @@ class AfterReasoning:
         self.answer_from = 0
         self.scanned = 0
 
+    def fork(self) -> AfterReasoning | None:
+        """An independent copy at the same point, or None when the inner constraint cannot fork."""
+        inner_fork = getattr(self.inner, "fork", None)
+        inner = inner_fork() if inner_fork is not None else None
+        if inner is None:
+            return None
+        twin = AfterReasoning(inner, self.start_id, self.end_ids, False)
+        twin.state, twin.answer_from, twin.scanned = self.state, self.answer_from, self.scanned
+        return twin
+
     def __call__(self, output_token_ids: list[int]) -> Any:
         if self.state == "start":
             if not output_token_ids:

@@ -283,6 +283,12 @@ class JsonConstraint:
             self.text += text
         self.seen = len(token_ids)
 
+    def fork(self) -> JsonConstraint:
+        """An independent copy at the same point (states are immutable: a shallow copy shares nothing mutable)."""
+        twin = JsonConstraint(self.vocab, self.grammar, None)  # type: ignore[arg-type]
+        twin.state, twin.seen, twin.text = self.state, self.seen, self.text
+        return twin
+
     def __call__(self, output_token_ids: list[int]) -> list[int] | None:
         self._advance(output_token_ids)
         state = self.state

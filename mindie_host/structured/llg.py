@@ -141,6 +141,14 @@ class GrammarConstraint:
         """A fresh constraint for one generated choice."""
         return cls(tokenizer_for(host), compile_grammar(spec))
 
+    def fork(self) -> GrammarConstraint:
+        """An independent copy at the same point of the grammar (the engine checks draft tokens on a fork)."""
+        twin = object.__new__(GrammarConstraint)
+        twin.tokenizer, twin.grammar, twin.seen = self.tokenizer, self.grammar, self.seen
+        twin.matcher = self.matcher.deep_copy()
+        twin.mask = llg_numpy.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        return twin
+
     def __call__(self, output_token_ids: list[int]) -> np.ndarray | None:
         m = self.matcher
         for tid in output_token_ids[self.seen:]:
