@@ -1,4 +1,5 @@
-"""Suite-wide memory hygiene (the whole test run must stay well under 8 GB), and private file modes.
+"""Suite-wide memory hygiene (the whole test run must stay well under 8 GB), private file modes, and which
+test modules never run at the same time under pytest-xdist.
 
 Most integration tests run a real server in this process (on a thread), so model weights, KV pools and
 transformers reference models come and go module by module. Freed tensors return to glibc's heaps, which
@@ -39,3 +40,40 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """After the last test of a module, once its module-scoped fixtures (servers, hosts) are finalised."""
     if nextitem is None or nextitem.module is not item.module:
         _trim()
+
+
+# -- pytest-xdist: the modules that hold the most memory run one after another, in one worker ---------------------
+#: Modules whose peak memory is a large share of the suite's budget (MindSpore's runtime, several default-model
+#: loads at once). Under ``-n 2 --dist loadgroup`` (the README's test line) they form one group, so two of them
+#: never overlap in the two workers; every other module is its own group, so module fixtures stay in one worker.
+HEAVY_MODULES = frozenset({
+    "plugins/backends_ms/tests/test_backends_ms_correctness.py",
+    "plugins/backends_ms/tests/test_backends_ms_server.py",
+    "tests/test_default_model.py",
+    "tests/test_cpu_profiles.py",
+    "tests/test_tensor_parallel.py",
+})
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.path.relative_to(item.config.rootpath).as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test an ``xdist_group``: the heavy group, or its own module.
+
+    pytest-xdist 3.8 names a test's group by assigning ``item._nodeid``, which pytest 9.2 no longer reads (it
+    keeps a structured ``_id``), so its groups never form: the group is appended to the id here, as xdist's
+    worker means to."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # an older pytest: xdist's own renaming works
+        NodeId = None  # noqa: N806
+    rename = NodeId is not None and bool(config.getoption("loadgroup", default=False))
+    for item in items:
+        module = _module_of(item)
+        group = "heavy-memory" if module in HEAVY_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+        if rename:
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")

@@ -100,15 +100,14 @@ def test_low_bit_weights_keep_the_default_models_next_tokens() -> None:
     """quantization "auto" (the file's 4-bit groups, bf16 activations, int8 head) against the fp32 reference."""
     ref = loaded_host(server_config(None, model={"quantization": "none"}))
     tok = ref.tokenizer
-    questions = ["Explain why the sky is blue.", "Give me a recipe for pancakes.", "Compare cats and dogs as pets.",
-                 "How do plants make food from sunlight?"]
+    questions = ["Explain why the sky is blue.", "Give me a recipe for pancakes.", "How do plants make food from sunlight?"]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)
                for q in questions]
     outs = run_engine(ref, [EngineRequest(f"q{i}", p, SamplingParams(max_tokens=24, ignore_eos=True))
                             for i, p in enumerate(prompts)])
     seqs = [p + outs[f"q{i}"].token_ids for i, p in enumerate(prompts)]
-    want = _teacher_forced_logits(ref, seqs, batched=False)
+    want = _teacher_forced_logits(ref, seqs, batched=True)  # fp32 torch operators: batch-invariant
     del ref
     auto = loaded_host(server_config(None))
     assert type(auto.backend.model.layers[0].attn.qkv).__name__ == "FourBitWeight"

@@ -2,7 +2,7 @@
 
 Each run drives both backends directly through the ``ModelBackend`` contract
 (no engine, no sampling plugins): a batch of prompts is prefilled, then decoded
-greedily for 32 steps; at every step the argmax tokens must be identical and the
+greedily for 32 steps (12 on the default model, whose steps are slow in MindSpore's PyNative mode); at every step the argmax tokens must be identical and the
 float32 logits must agree within ``LOGIT_ATOL`` (absolute). The chunked-prefill
 test covers what prefix_cache and splitfuse ask of a backend: new tokens that
 attend to context already in the cache, mixed with decodes in one step.
@@ -79,12 +79,12 @@ class GreedyDriver:
             s.append(t)
 
 
-def _compare_greedy(ref: TorchBackend, ms: MsBackend, prompts: list[list[int]]) -> float:
-    """Run both; assert identical tokens at every step; return the worst logit difference seen."""
+def _compare_greedy(ref: TorchBackend, ms: MsBackend, prompts: list[list[int]], steps: int = STEPS) -> float:
+    """Run both for ``steps`` steps; assert identical tokens at every step; return the worst logit difference."""
     driver = GreedyDriver(prompts)
     batch = driver.prefill()
     worst = 0.0
-    for step in range(STEPS):
+    for step in range(steps):
         a = ref.execute(batch)
         b = ms.execute(batch)
         assert b.dtype == torch.float32 and b.shape == a.shape == (len(prompts), ref.arch.vocab_size)
@@ -118,7 +118,7 @@ def test_backends_ms_default_model_greedy_matches_torch() -> None:
         for t in texts
     ]
     ref, ms = _pair(path)
-    worst = _compare_greedy(ref, ms, prompts)
+    worst = _compare_greedy(ref, ms, prompts, steps=12)  # the tiny model runs the full 32 steps
     assert worst < LOGIT_ATOL
 
 
