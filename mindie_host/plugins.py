@@ -358,7 +358,8 @@ class PluginHost:
         if self._config is None:  # the families' hook may take ctx
             self.bind(config)
         for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
-            self._enable_architecture(model, available)
+            if model.modelInstanceType != "StandardMock":  # it reads no checkpoint
+                self._enable_architecture(model, available)
         self.pm.check_pending()
 
     def _load(self, name: str, ep: md.EntryPoint) -> None:

@@ -43,3 +43,26 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     except OSError:
         log.warning("could not cache the tokenizer under %s", cache)
     return tok
+
+
+#: the built-in byte-level tokenizer's chat template: one ``<|role|>`` line per message
+BYTE_LEVEL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] if m['content'] is string else '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def byte_level_tokenizer() -> Any:
+    """A tokenizer that needs no files: one token per byte (GPT-2's byte alphabet, no merges) after ``<s>``,
+    ``</s>`` (end of sequence) and ``<pad>``, 259 tokens, with a plain chat template. StandardMock serves it
+    when ``modelWeightPath`` has no tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>"]
+    vocab = {token: i for i, token in enumerate([*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=BYTE_LEVEL_CHAT_TEMPLATE)

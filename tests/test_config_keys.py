@@ -62,6 +62,11 @@ def test_keys_without_effect_are_reported() -> None:
     notes = no_effect(cfg)
     assert any(n.startswith("ServerConfig.interCommTlsCert is 'other/server.pem': no effect here") for n in notes)
     # keys beside the TLS files that are read: PD's port, and the TLS switches (refused when true where they apply)
+    notes = no_effect(_config(BackendConfig__ModelDeployConfig__ModelConfig=[
+        {"modelInstanceType": "StandardMock", "dtype": "bfloat16", "quantization": "none"}]))
+    assert notes == [f"BackendConfig.ModelDeployConfig.ModelConfig[0].{key} is {value!r}: no effect here "
+                     "(modelInstanceType 'StandardMock' loads no model)"
+                     for key, value in (("dtype", "bfloat16"), ("quantization", "none"))]
     assert not no_effect(_config(ServerConfig__interCommPort=2000, ServerConfig__interCommTLSEnabled=False,
                                  BackendConfig__interNodeTLSEnabled=False, BackendConfig__multiNodesInferPort=2001))
     assert not no_effect(config_from_dict(default_config_dict()))
@@ -84,6 +89,12 @@ def test_keys_without_effect_are_reported() -> None:
          "BackendConfig.ScheduleConfig.enablePrefixCache: got true without the prefix_cache plugin, which serves "
          "Prefix Cache; add 'prefix_cache' to ModelConfig[0].plugin_params' plugin_type (installed by: pip install "
          "mindie-plugin-prefix-cache)"),
+        ({"BackendConfig__ModelDeployConfig__ModelConfig": [{"modelInstanceType": "StandardMock", "worldSize": 2}],
+          "BackendConfig__npuDeviceIds": [[0, 1]]},
+         "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got 2 with modelInstanceType 'StandardMock'"),
+        ({"BackendConfig__ModelDeployConfig__ModelConfig": [{"modelInstanceType": "StandardMock"}],
+          "ServerConfig__inferMode": "dmi", "ServerConfig__interCommTLSEnabled": False},
+         "ServerConfig.inferMode: got 'dmi' with modelInstanceType 'StandardMock', which loads no model; allowed"),
         ({"BackendConfig__ScheduleConfig__policyType": 7},
          "BackendConfig.ScheduleConfig.policyType: got 7 (SJF-MLFQ); allowed 0 (FCFS), 4 (SJF), 5 (LJF) or 6"),
         ({"BackendConfig__ScheduleConfig__splitChunkTokens": 64},

@@ -60,6 +60,7 @@ def unsupported(config: Config) -> list[str]:
     srv, be = config.ServerConfig, config.BackendConfig
     if srv.inferMode == "dmi":
         errors.extend(_dmi_errors(config))
+    errors.extend(_mock_errors(config))
     if be.ScheduleConfig.policyType == 7:
         errors.append(
             "BackendConfig.ScheduleConfig.policyType: got 7 (SJF-MLFQ); allowed 0 (FCFS), 4 (SJF), 5 (LJF) or 6 "
@@ -113,6 +114,26 @@ def plugin_needs(config: Config) -> list[str]:
     return errors
 
 
+#: ModelConfig keys that choose how a model is loaded and run: with StandardMock (no model) they have no effect
+MOCK_NO_EFFECT = ("backendType", "dtype", "kvCacheDtype", "device", "quantization", "compile")
+
+
+def _mock_errors(config: Config) -> list[str]:
+    """What ``modelInstanceType: "StandardMock"`` (no model loaded) cannot be combined with."""
+    be, mc = config.BackendConfig, config.model
+    if mc.modelInstanceType != "StandardMock":
+        return []
+    why = "with modelInstanceType 'StandardMock', which loads no model"
+    errors = []
+    if mc.worldSize > 1 or be.multiNodesInferEnabled:
+        errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got {mc.worldSize} {why}; allowed 1 "
+                      "(there are no weights to split over ranks); multiNodesInferEnabled must be false")
+    if config.ServerConfig.inferMode == "dmi":
+        errors.append(f"ServerConfig.inferMode: got 'dmi' {why}; allowed 'standard' (a StandardMock instance holds "
+                      "no KV to hand from a P to a D instance)")
+    return errors
+
+
 def _dmi_errors(config: Config) -> list[str]:
     """What PD disaggregation (``inferMode: "dmi"``, docs/scale-out.md) cannot be combined with in this version."""
     srv, be = config.ServerConfig, config.BackendConfig
@@ -146,6 +167,11 @@ def no_effect(config: Config) -> list[str]:
     """A warning for each key set to a non-default value that has no effect here."""
     notes: list[str] = []
     default = Config()
+    mc, base = config.model, default.model
+    if mc.modelInstanceType == "StandardMock":
+        notes += [f"BackendConfig.ModelDeployConfig.ModelConfig[0].{key} is {getattr(mc, key)!r}: no effect here "
+                  "(modelInstanceType 'StandardMock' loads no model)"
+                  for key in MOCK_NO_EFFECT if getattr(mc, key) != getattr(base, key)]
     for path, value, default_value in config_leaves(config, default, ""):
         reason = NO_EFFECT_KEYS.get(path)
         if reason is not None and value != default_value and value not in ("", [], None, False):

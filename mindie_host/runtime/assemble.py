@@ -16,18 +16,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import ModelBackend, ModelInfo
+from ..backends.mock import MockBackend
 from ..config import ModelConfig
 from ..config.support import no_effect, unsupported
 from ..host import Host
 from ..models.default import default_model_path
 from ..models.weights import resolve_model
 from ..plugins import PluginError, PluginHost
-from ..tokenizer import load_tokenizer
+from ..tokenizer import byte_level_tokenizer, load_tokenizer
 from .backend import create_backend
 from .engine_build import build_engine
 from .parallel import parallel_backend
 
 log = logging.getLogger("mindie_host")
+STANDARD_MOCK = "StandardMock"
 
 
 def check_and_enable(host: Host) -> None:
@@ -46,9 +48,25 @@ def check_and_enable(host: Host) -> None:
 
 
 def model_tokenizer(model: ModelConfig) -> Any:
-    """The tokenizer of the served model (``modelWeightPath``, or the default model)."""
+    """The tokenizer of the served model (``modelWeightPath``, or the default model). StandardMock: the one at
+    ``modelWeightPath`` when there is one there, else the built-in byte-level tokenizer (no model is read)."""
+    if model.modelInstanceType == STANDARD_MOCK:
+        return mock_tokenizer(model)
     source = resolve_model(model.modelWeightPath or str(default_model_path()))
     return load_tokenizer(source, trust_remote_code=model.trustRemoteCode)
+
+
+def mock_tokenizer(model: ModelConfig) -> Any:
+    """StandardMock's tokenizer: ``modelWeightPath``'s, or the built-in byte-level one."""
+    if model.modelWeightPath:
+        try:
+            return load_tokenizer(resolve_model(model.modelWeightPath), trust_remote_code=model.trustRemoteCode)
+        except Exception as exc:  # no tokenizer there: the placeholder answers need none of the model's
+            log.warning("StandardMock: no tokenizer read from modelWeightPath %s (%s); using the built-in "
+                        "byte-level tokenizer", model.modelWeightPath, exc)
+    else:
+        log.info("StandardMock: no modelWeightPath; using the built-in byte-level tokenizer")
+    return byte_level_tokenizer()
 
 
 def assemble(
@@ -64,14 +82,20 @@ def assemble(
     dies (the engine process exits, so its supervisor restarts every rank; by default later steps fail).
     """
     cfg, mc = host.config, host.model_config
-    backend = create_backend(host.plugins, cfg)
+    if mc.modelInstanceType == STANDARD_MOCK:
+        host.tokenizer = model_tokenizer(mc)
+        backend: ModelBackend = MockBackend(host.tokenizer, mc.modelName, cfg.deploy.maxSeqLen)
+        log.info("modelInstanceType StandardMock: no model is loaded; every answer is the placeholder text")
+    else:
+        backend = create_backend(host.plugins, cfg)
     if progress is not None and hasattr(backend, "progress"):
         backend.progress = progress
     if mc.worldSize > 1 or cfg.BackendConfig.multiNodesInferEnabled:
         backend = parallel_backend(backend, cfg, host.plugins, on_rank_lost)
     host.backend = backend
     host.teardown.append(backend.shutdown)
-    host.tokenizer = model_tokenizer(mc)
+    if mc.modelInstanceType != STANDARD_MOCK:  # (StandardMock's was read above: the backend needs it)
+        host.tokenizer = model_tokenizer(mc)
     info = host.info = backend.load()
     if not info.eos_token_ids and host.tokenizer.eos_token_id is not None:
         info.eos_token_ids = [host.tokenizer.eos_token_id]
