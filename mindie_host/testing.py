@@ -12,6 +12,8 @@
 * :class:`ForcedTokens` makes a model write a given text (a tool call, a reasoning block).
 * :func:`load_host` loads a host as the server would, without listeners;
   :func:`loaded_host` loads one with the engine in this process, for :func:`run_engine`.
+* :class:`CopyProposer` drafts a known reference output, often wrongly, for speculative decoding's tests;
+  :func:`run_with_plugin` runs requests with a plugin object registered for the run only.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import hookimpl
 from .bench.datasets import DatasetError as BenchDatasetError  # noqa: F401 - public, for load_bench_items
 from .config import Config, config_from_dict, default_config_dict
+
+if TYPE_CHECKING:
+    from .api import DraftOutcome, DraftRequest, Drafts
 
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
@@ -381,3 +387,56 @@ def run_engine(host: Any, requests: list[Any], *, max_steps: int = 100_000) -> d
                 out.logprobs = logprobs.pop(out.request_id, [])
                 finals[out.request_id] = out
     return finals
+
+
+class CopyProposer:
+    """A draft proposer (``mindie_host_propose_drafts``) that drafts the continuation of a known reference
+    output, every ``every``-th draft corrupted, so it is often right and often wrong: a speculative path must
+    give the reference's tokens whatever it proposes. ``reference`` maps a request id to its tokens without
+    drafts; ``outcomes`` collects what the engine reported (``mindie_host_drafts_accepted``)."""
+
+    def __init__(self, reference: dict[str, list[int]], k: int = 4, every: int = 3) -> None:
+        self.reference = reference
+        self.k = k
+        self.every = every
+        self.outcomes: list[DraftOutcome] = []
+        self.calls = 0
+
+    @hookimpl
+    def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+        """Up to ``k`` tokens of each sequence's reference after what it has written, some corrupted."""
+        from .api import Drafts
+
+        self.calls += 1
+        out: list[Drafts | None] = []
+        for s in seqs:
+            ref = self.reference.get(s.request_id, [])
+            done = len(s.token_ids) - s.prompt_len
+            tokens = list(ref[done : done + min(self.k, s.max_drafts)])
+            for i in range(len(tokens)):
+                if (done + i) % self.every == self.every - 1:
+                    tokens[i] = (tokens[i] + 7) % 1000
+            out.append(Drafts(tokens) if tokens else None)
+        return out
+
+    @hookimpl
+    def mindie_host_drafts_accepted(self, outcomes: list[DraftOutcome]) -> None:
+        """Keep the step's outcomes for the test."""
+        self.outcomes.extend(outcomes)
+
+
+def run_with_plugin(host: Any, plugin: object, requests: list[Any], *, alone: bool = False,
+                    name: str = "test_plugin") -> dict[str, Any]:
+    """:func:`run_engine` with ``plugin`` registered (as ``name``) for this run only: ``requests`` in one batch,
+    or each alone (``alone``)."""
+    host.plugins.register(plugin, name)
+    try:
+        if alone:
+            out: dict[str, Any] = {}
+            for req in requests:
+                out.update(run_engine(host, [req]))
+            return out
+        return run_engine(host, requests)
+    finally:
+        host.plugins.pm.unregister(plugin)
+        host.plugins.enabled.remove(name)

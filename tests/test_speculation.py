@@ -19,40 +19,10 @@ import pytest
 import torch
 
 from mindie_host import hookimpl
-from mindie_host.api import DraftOutcome, DraftRequest, Drafts, EngineRequest, SamplingParams
+from mindie_host.api import DraftRequest, Drafts, EngineRequest, SamplingParams
 from mindie_host.engine.outputs import OutputProcessor
 from mindie_host.engine.speculation import Speculator
-from mindie_host.testing import loaded_host, run_engine, server_config
-
-
-class CopyProposer:
-    """Proposes the continuation of a reference output, every ``every``-th draft corrupted (often wrong)."""
-
-    def __init__(self, reference: dict[str, list[int]], k: int = 4, every: int = 3) -> None:
-        self.reference = reference
-        self.k = k
-        self.every = every
-        self.outcomes: list[DraftOutcome] = []
-        self.calls = 0
-
-    @hookimpl
-    def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
-        self.calls += 1
-        out: list[Drafts | None] = []
-        for s in seqs:
-            ref = self.reference.get(s.request_id, [])
-            done = len(s.token_ids) - s.prompt_len
-            tokens = list(ref[done : done + min(self.k, s.max_drafts)])
-            for i in range(len(tokens)):
-                if (done + i) % self.every == self.every - 1:
-                    tokens[i] = (tokens[i] + 7) % 1000
-            out.append(Drafts(tokens) if tokens else None)
-        return out
-
-    @hookimpl
-    def mindie_host_drafts_accepted(self, outcomes: list[DraftOutcome]) -> None:
-        self.outcomes.extend(outcomes)
-
+from mindie_host.testing import CopyProposer, loaded_host, run_engine, run_with_plugin, server_config
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -90,25 +60,11 @@ def reference(host: Any) -> dict[str, Any]:
     return out
 
 
-def with_proposer(host: Any, proposer: object, reqs: list[EngineRequest], alone: bool = False) -> dict[str, Any]:
-    host.plugins.register(proposer, "test_proposer")
-    try:
-        if alone:
-            out: dict[str, Any] = {}
-            for req in reqs:
-                out.update(run_engine(host, [req]))
-            return out
-        return run_engine(host, reqs)
-    finally:
-        host.plugins.pm.unregister(proposer)
-        host.plugins.enabled.remove("test_proposer")
-
-
 def test_greedy_output_with_drafts_is_token_identical_alone_and_batched(host: Any, reference: dict[str, Any]) -> None:
     ref_ids = {rid: out.token_ids for rid, out in reference.items()}
     for alone in (True, False):
         proposer = CopyProposer(ref_ids)
-        got = with_proposer(host, proposer, requests(host, logprobs=2), alone=alone)
+        got = run_with_plugin(host, proposer, requests(host, logprobs=2), alone=alone)
         for rid, out in reference.items():
             assert got[rid].token_ids == out.token_ids, (alone, rid)
             # the logprobs are the target's: those of plain decoding (this float32 model's dense products are
@@ -133,14 +89,14 @@ def test_random_drafts_stop_strings_and_max_tokens(host: Any, reference: dict[st
         def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
             return [Drafts([rng.randrange(1000) for _ in range(s.max_drafts)]) for s in seqs]
 
-    got = with_proposer(host, RandomProposer(), requests(host, max_tokens=7))
+    got = run_with_plugin(host, RandomProposer(), requests(host, max_tokens=7))
     for rid, out in reference.items():
         assert got[rid].token_ids == out.token_ids[:7] and got[rid].finish_reason == "length"
     # a stop string: cut where plain decoding cuts it, with drafts running past it
     text = reference["r0"].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     plain = run_engine(host, requests(host, "s", stop=[stop])[:1])["s0"]
-    spec = with_proposer(host, CopyProposer({"s0": reference["r0"].token_ids}, k=8, every=100),
+    spec = run_with_plugin(host, CopyProposer({"s0": reference["r0"].token_ids}, k=8, every=100),
                          requests(host, "s", stop=[stop])[:1])["s0"]
     assert spec.finish_reason == plain.finish_reason == "stop"
     assert (spec.text, spec.token_ids) == (plain.text, plain.token_ids)
@@ -163,7 +119,7 @@ def test_prefix_cache_keys_only_accepted_tokens(host: Any, reference: dict[str, 
     kv.on_computed = check  # type: ignore[method-assign]
     try:
         ref = {rid: out.token_ids for rid, out in reference.items()}
-        got = with_proposer(host, CopyProposer(ref, k=6), requests(host, "p")[:2])
+        got = run_with_plugin(host, CopyProposer(ref, k=6), requests(host, "p")[:2])
     finally:
         del kv.on_computed
     for rid, prompt in zip(("p0", "p1"), PROMPTS):
@@ -281,7 +237,7 @@ def test_speculator_refuses_malformed_drafts(host: Any) -> None:
 
     reqs = requests(host, "m", max_tokens=5)[:1]
     before = host.llm.counters["spec_proposer_errors"]
-    got = with_proposer(host, Bad(), reqs)
+    got = run_with_plugin(host, Bad(), reqs)
     assert len(got["m0"].token_ids) == 5
     assert host.llm.counters["spec_proposer_errors"] > before
     assert spec.active() is False
@@ -300,7 +256,7 @@ def test_a_constraint_that_cannot_fork_is_not_offered(host: Any) -> None:
 
     reqs = requests(host, "g", max_tokens=6)[:2]
     reqs[0].logits_constraint = lambda ids: None
-    got = with_proposer(host, Recorder(), reqs)
+    got = run_with_plugin(host, Recorder(), reqs)
     assert offered == {"g1"} and all(len(o.token_ids) == 6 for o in got.values())
 
 
@@ -333,7 +289,7 @@ def test_constrained_drafts_are_cut_at_the_grammar_and_verified_under_its_mask(h
     # every third draft corrupted: (t + 7) % 1000 is mostly outside the grammar, so drafts are also cut there
     proposer = CopyProposer(ref_ids)
     before = host.llm.counters["spec_draft_tokens"]
-    got = with_proposer(host, proposer, constrained(host, "c"))
+    got = run_with_plugin(host, proposer, constrained(host, "c"))
     assert {rid: out.token_ids for rid, out in got.items()} == ref_ids
     accepted = sum(o.accepted for o in proposer.outcomes)
     proposed = sum(o.proposed for o in proposer.outcomes)
@@ -349,6 +305,6 @@ def test_constrained_drafts_are_cut_at_the_grammar_and_verified_under_its_mask(h
             return [Drafts([eos, eos]) if len(s.token_ids) == s.prompt_len + 1 else None for s in seqs]
 
     before_drafts = host.llm.counters["spec_draft_tokens"]
-    got = with_proposer(host, Refused(), constrained(host, "c"))
+    got = run_with_plugin(host, Refused(), constrained(host, "c"))
     assert {rid: out.token_ids for rid, out in got.items()} == ref_ids
     assert host.llm.counters["spec_draft_tokens"] == before_drafts
