@@ -1,7 +1,7 @@
 """Tensor parallelism (worldSize > 1): real rank processes on gloo, against worldSize 1.
 
 Greedy output (fp32, quantization none) must be token-identical to one rank: on random tiny
-Llamas with TP 2 and TP 4 (with prefix_cache and splitfuse on), and on the default model with
+Llamas with TP 2 and TP 4 (with prefix_cache, splitfuse and llma's speculative drafts on), and on the default model with
 TP 3 (9 attention heads, 3 KV heads). Bad world sizes and device lists are refused at startup,
 naming the key and the allowed values. SIGKILL of one rank under load: every request is
 answered, and the supervisor restarts all ranks together.
@@ -37,7 +37,9 @@ from mindie_host.testing import (
 )
 
 CLIENT_TIMEOUT = 90.0
-BOTH_PLUGINS = {"plugin_params": json.dumps({"plugin_type": "prefix_cache,splitfuse"})}
+#: prefix_cache and splitfuse, and llma's drafts verified beside them (every rank computes the verification rows)
+PLUGINS = {"plugin_params": json.dumps({"plugin_type": "prefix_cache,splitfuse,llma"})}
+LLMA = {"llma": {"numSpeculativeTokens": 4, "minNgram": 1, "maxBatchSize": 16}}
 SPLIT = {"templateType": "Mix", "enableSplit": True, "enablePrefixCache": True, "splitChunkTokens": 16, "splitStartBatchSize": 0}
 
 
@@ -55,12 +57,17 @@ def _config(path: Path | None, world: int, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def _greedy(cfg: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+def _greedy(cfg: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+            stats: dict[str, float] | None = None) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt, in one batch; the engine's counters go to ``stats``."""
     host = loaded_host(cfg)
     try:
         reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-        return {k: v.token_ids for k, v in run_engine(host, reqs).items()}
+        out = {k: v.token_ids for k, v in run_engine(host, reqs).items()}
+        if stats is not None:
+            stats.update(host.llm.stats())
+        return out
     finally:
         host.shutdown()
 
@@ -72,12 +79,14 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tiny_llama_is_token_identical_to_one_rank_with_plugins(tiny8: Path, world: int) -> None:
-    prompts = _prompts()
+    prompts = [*_prompts(), [5, 6, 7, 8] * 10]  # the last one's output falls into a loop llma copies
     reference = _greedy(_config(tiny8, 1), prompts, 20)
     plain = _greedy(_config(tiny8, world), prompts, 20)
     assert plain == reference
-    plugins = _greedy(_config(tiny8, world, model=BOTH_PLUGINS, schedule=SPLIT), prompts, 20)
+    stats: dict[str, float] = {}
+    plugins = _greedy(_config(tiny8, world, model=PLUGINS, schedule=SPLIT, plugins=LLMA), prompts, 20, stats)
     assert plugins == reference
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
 
 
 @pytest.mark.slow  # the default model on 3 ranks over 2 cores: about 40 s
