@@ -11,10 +11,7 @@ OUT=${LLAMA_BUILD_DIR:-$HOME/.cache/mindie-bench/llama.cpp}
 VERSION=0.3.36
 SRC="$OUT/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 mkdir -p "$OUT/src"
-if [ ! -d "$SRC" ]; then
-  python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$OUT/src"
-  tar -xzf "$OUT/src/llama_cpp_python-$VERSION.tar.gz" -C "$OUT/src"
-fi
+LLAMA_BUILD_DIR="$OUT" bash "$(dirname "$0")/../scripts/fetch-llama-cpp.sh" all  # the whole sdist, unpacked once
 COMMON=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF)
 build() {  # build NAME FLAGS...
   local name=$1; shift

@@ -37,6 +37,7 @@ from .models.architecture import (
     rename_prefixes,
     split_rows,
 )
+from .models.gguf_files import GGUFInfo, base_config
 from .models.llama import LlamaFamily
 from .models.rope import Rope, rope_of
 from .models.weights import LlamaArch, count_tensors, family_of, iter_weights, load_arch
@@ -52,6 +53,7 @@ __all__ = [
     "CudaPlatform",
     "DecoderLayer",
     "DecoderModel",
+    "GGUFInfo",
     "GatedMLP",
     "KVSpec",
     "LlamaArch",
@@ -66,6 +68,7 @@ __all__ = [
     "Step",
     "TorchBackend",
     "TorchLlama",
+    "base_config",
     "count_tensors",
     "dense_attention",
     "dense_layer",

@@ -76,7 +76,7 @@ KNOWN_PACKAGES: dict[str, str] = {
 #: model types served by plugins we publish (for install hints): model_type -> plugin name
 KNOWN_ARCHITECTURES: dict[str, str] = {
     model_type: "models" for model_type in ("qwen3", "glm", "glm4", "gemma3", "gemma3_text", "phi3", "qwen3_moe",
-                                            "mixtral", "deepseek_v3", "deepseek_v2")
+                                            "mixtral", "deepseek_v3", "deepseek_v2", "qwen3moe", "deepseek2")
 }
 
 
@@ -378,15 +378,23 @@ class PluginHost:
         checkpoint that cannot be read is left to the backend, which says why; a model type that a plugin we
         publish would serve, with that plugin not installed, is refused with the command that installs it.
         """
+        from .models.architecture import ModelLoadError
         from .models.default import default_model_path
-        from .models.weights import checkpoint_model_type, resolve_model
+        from .models.weights import checkpoint_model_type, family_of, resolve_model
+
+        def served() -> bool:  # a GGUF file's family is told by its tensors too (Mixtral is written as llama)
+            try:
+                family_of(source, self.architectures)
+            except (ModelLoadError, OSError, ValueError):  # the backend says why the checkpoint cannot be read
+                return False
+            return True
 
         try:
             source = resolve_model(model.modelWeightPath or str(default_model_path()))
             model_type = checkpoint_model_type(source)
         except Exception:  # the backend reports an unreadable checkpoint (and backends that read other formats)
             return
-        if model_type in self.architectures:
+        if served():
             return
         for ep in md.entry_points(group=ARCHITECTURE_GROUP, name=model_type):
             dist = getattr(ep, "dist", None)
@@ -396,7 +404,7 @@ class PluginHost:
                     self._load(name, available[name])
                     log.info("model_type %r is served by the installed plugin %r (%s): enabled", model_type, name,
                              dist.metadata["Name"] if dist is not None else "?")
-            if model_type in self.architectures:
+            if served():
                 return
         known = KNOWN_ARCHITECTURES.get(model_type)
         if known is not None:

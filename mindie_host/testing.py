@@ -440,3 +440,44 @@ def run_with_plugin(host: Any, plugin: object, requests: list[Any], *, alone: bo
     finally:
         host.plugins.pm.unregister(plugin)
         host.plugins.enabled.remove(name)
+
+
+#: llama-cpp-python's sdist whose vendored llama.cpp holds the converter (``scripts/fetch-llama-cpp.sh`` unpacks it)
+LLAMA_CPP_PYTHON = "0.3.36"
+
+
+def llama_cpp_converter() -> Path | None:
+    """llama.cpp's own ``convert_hf_to_gguf.py`` (with its ``gguf-py``), from the llama-cpp-python sdist that
+    ``scripts/fetch-llama-cpp.sh`` unpacks under ``$LLAMA_BUILD_DIR`` (default ``~/.cache/mindie-bench/llama.cpp``,
+    where ``bench/build_llama_server.sh`` builds llama-server from); None when it is not there."""
+    root = Path(os.environ.get("LLAMA_BUILD_DIR") or Path.home() / ".cache" / "mindie-bench" / "llama.cpp")
+    script = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+    return script if script.is_file() and (script.parent / "conversion").is_dir() else None
+
+
+_CONVERT = """
+import json
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+for model, outfile, outtype in json.loads(sys.argv[2]):
+    sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", outfile, "--outtype", outtype]
+    convert_hf_to_gguf.main()
+"""
+
+
+def convert_to_gguf(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Run llama.cpp's converter on each ``(HF directory, output file, outtype)`` (``f16``, ``q8_0`` ...), all in one
+    process (the converter's imports take longer than converting a tiny model); raises when it fails."""
+    import json
+    import subprocess
+    import sys
+
+    script = llama_cpp_converter()
+    if script is None:
+        raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py is not unpacked: run scripts/fetch-llama-cpp.sh")
+    args = json.dumps([[str(model), str(out), kind] for model, out, kind in jobs])
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(script.parent), args], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({done.returncode}): {done.stderr[-3000:]}")

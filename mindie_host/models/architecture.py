@@ -127,11 +127,19 @@ class Architecture:
 
     #: the family's name (``ModelArch.architecture``, log lines)
     name: str = "llama"
-    #: the ``config.json`` ``model_type`` values it serves (and GGUF ``general.architecture`` values, when
-    #: :attr:`gguf` is true)
+    #: the ``config.json`` ``model_type`` values it serves
     model_types: tuple[str, ...] = ()
-    #: whether GGUF files of these model types are read (the Llama-shaped tensor names of llama.cpp)
-    gguf: bool = False
+    #: the GGUF ``general.architecture`` values (llama.cpp's names) of the files it may read; whether a file is its
+    #: own, :meth:`gguf_config` says
+    gguf_architectures: tuple[str, ...] = ()
+    #: llama.cpp block tensor names -> checkpoint names, where the family's differ from the common ones
+    #: (:data:`~mindie_host.models.gguf_files.BLOCK_NAMES`)
+    gguf_names: dict[str, str] = {}
+    #: whether llama.cpp's converter interleaved each head's Q/K rotary rows (its Llama converter does)
+    gguf_rotary_permuted: bool = False
+    #: whether a GGUF file's matrices below 16 bits may be served as they are stored (their rows as the family
+    #: reads them: not when :meth:`from_gguf` or :meth:`adapt` reorders rows)
+    gguf_low_bit: bool = True
     #: the RoPE kinds its checkpoints may use
     rope_kinds: tuple[str, ...] = SUPPORTED_ROPE_TYPES
     #: whether it rotates part of each head (``partial_rotary_factor``)
@@ -246,6 +254,26 @@ class Architecture:
             raise ModelLoadError(f"{where}: sliding_window {window} must be at least 1")
         return types, None if window is None else int(window)
 
+    # -- GGUF ------------------------------------------------------------------------------------------
+    def gguf_config(self, info: Any) -> dict[str, Any] | None:
+        """The ``config.json`` dict that GGUF file ``info`` (a :class:`~mindie_host.models.gguf_files.GGUFInfo` of
+        one of :attr:`gguf_architectures`) stands for, or None when the file, by its tensors and metadata, is not
+        this family's. The default reads no GGUF file."""
+        return None
+
+    def gguf_permuted(self, arch: ModelArch) -> bool:
+        """Whether the converter interleaved the Q/K rotary rows of this model's GGUF file."""
+        return self.gguf_rotary_permuted
+
+    def from_gguf(self, name: str, array: np.ndarray, arch: ModelArch) -> np.ndarray:
+        """Checkpoint tensor ``name`` as a GGUF file holds it (whole, or a rank's slice of whole heads) in the
+        checkpoint's own form, undoing what llama.cpp's converter changed; :meth:`adapt` runs after it as for a
+        checkpoint. The default un-permutes the Q/K rows when :meth:`gguf_permuted`."""
+        if self.gguf_permuted(arch) and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                       "k_proj.bias")):
+            return unpermute_rows(array, array.shape[0] // arch.head_dim)
+        return array
+
     # -- tensors ---------------------------------------------------------------------------------------
     def tensor_pieces(self, name: str, arch: ModelArch) -> list[Piece]:
         """Where checkpoint tensor ``name`` goes: canonical names with their rows; ``[]`` to skip it."""
@@ -293,6 +321,13 @@ def _as_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleaving of a Q or K projection (weight or bias) of ``n_heads`` heads."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
 def rename_prefixes(name: str, prefixes: Iterable[tuple[str, str]]) -> str | None:
     """``name`` with the first matching ``(old, new)`` prefix replaced; None when no prefix matches."""
     for old, new in prefixes:
@@ -325,6 +360,7 @@ class Architectures:
     def __init__(self, provide: Callable[[], Iterable[Iterable[Architecture] | None]]) -> None:
         self._provide = provide
         self._by_type: dict[str, Architecture] | None = None
+        self._families: list[Architecture] = []
         self._lock = threading.RLock()  # a family's hook may itself ask the registry
 
     def reset(self) -> None:
@@ -336,16 +372,28 @@ class Architectures:
         with self._lock:
             if self._by_type is None:
                 table: dict[str, Architecture] = {}
+                families: list[Architecture] = []
                 for answer in self._provide():
                     for family in answer or []:
+                        if family not in families:
+                            families.append(family)
                         for model_type in family.model_types:
                             table.setdefault(model_type, family)
-                self._by_type = table
+                self._by_type, self._families = table, families
             return self._by_type
 
     def get(self, model_type: str) -> Architecture | None:
         """The family serving ``model_type``, or None."""
         return self._table().get(model_type)
+
+    def families(self) -> list[Architecture]:
+        """Every family once, a later-registered plugin's first (the order a GGUF file's family is asked in)."""
+        self._table()
+        return list(self._families)
+
+    def gguf_architectures(self) -> list[str]:
+        """Every GGUF architecture some family reads, sorted."""
+        return sorted({a for family in self.families() for a in family.gguf_architectures})
 
     def model_types(self) -> list[str]:
         """Every model type some family serves, sorted."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import hookimpl
 from .architecture import Architecture, ModelArch
+from .gguf_files import base_config
 
 
 class LlamaFamily(Architecture):
@@ -23,7 +24,8 @@ class LlamaFamily(Architecture):
 
     name = "llama"
     model_types = ("llama", "mistral", "qwen2", "smollm")
-    gguf = True
+    gguf_architectures = ("llama", "qwen2")
+    gguf_rotary_permuted = True
 
     def read_config(self, cfg: dict[str, Any], directory: Path | None = None) -> ModelArch:
         """As :meth:`Architecture.read_config`, with Qwen2's default bias on Q, K and V."""
@@ -31,6 +33,17 @@ class LlamaFamily(Architecture):
         if "attention_bias" not in cfg and arch.model_type == "qwen2":
             arch.attention_bias = True
         return arch
+
+
+    def gguf_config(self, info: Any) -> dict[str, Any] | None:
+        """A ``llama`` or ``qwen2`` file without experts (``llama`` with experts is Mixtral's)."""
+        if info.key("expert_count") or "blk.0.ffn_gate_inp.weight" in info.tensors:
+            return None
+        return base_config(info, info.arch)
+
+    def gguf_permuted(self, arch: ModelArch) -> bool:
+        """llama.cpp's Llama converter interleaves the rotary rows; its Qwen2 converter does not."""
+        return arch.model_type != "qwen2"
 
 
 LLAMA = LlamaFamily()

@@ -3,8 +3,10 @@
 The checkpoint's family (:mod:`mindie_host.models.architecture`) reads its ``config.json`` and names its tensors:
 weights come out under the canonical (Llama's Hugging Face) names (``model.layers.0.self_attn.q_proj.weight``)
 as float32 numpy arrays, whatever the source, so every backend (torch, MindSpore, Ascend) shares one loader.
-GGUF tensors are dequantized with the ``gguf`` package and the Q/K row permutation that llama.cpp's converter
-applies is undone, so a GGUF reader hands the family the tensors an HF checkpoint would hold.
+GGUF tensors are dequantized with the ``gguf`` package, named as the family's checkpoint names them
+(:mod:`mindie_host.models.gguf_files`) and put back in the checkpoint's form where llama.cpp's converter changed
+it (the Q/K row permutation of its Llama converter; a family's own, :meth:`Architecture.from_gguf`), so a GGUF
+reader hands the family the tensors an HF checkpoint would hold.
 
 GGUF files whose matrices are stored as 4-bit groups (Q4_0, Q4_1) or 8-bit blocks
 (Q8_0) also say so (:func:`low_bit_matrices`), handing 4-bit groups over as they are,
@@ -23,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .architecture import Architecture, Architectures, ModelArch, Piece, _as_list
+from .architecture import Architecture, Architectures, ModelArch, Piece, unpermute_rows
 from .architecture import LlamaArch as LlamaArch  # re-exported: the old import path
 from .architecture import ModelLoadError as ModelLoadError
+from .gguf_files import BLOCK_NAMES, checkpoint_names, read_info
 from .gguf_header import gguf_tensors, read_gguf_header
 from .llama import LLAMA
 
@@ -80,92 +83,44 @@ def checkpoint_model_type(source: ModelSource) -> str:
 
 
 def family_of(source: ModelSource, architectures: Architectures | None = None) -> Architecture:
-    """The family that serves ``source`` among ``architectures`` (default: the host's builtin Llama family)."""
+    """The family that serves ``source`` among ``architectures`` (default: the host's builtin Llama family).
+
+    A GGUF file's family is the first that reads its ``general.architecture`` and, by the file's tensors and
+    metadata, says it is its own (:meth:`~mindie_host.models.architecture.Architecture.gguf_config`)."""
     registry = architectures if architectures is not None else BUILTIN_ARCHITECTURES
+    if source.kind == "gguf":
+        return _gguf_family(source, registry)[0]
     model_type = checkpoint_model_type(source)
     family = registry.get(model_type)
-    if family is None or (source.kind == "gguf" and not family.gguf):
-        what = "GGUF architecture" if source.kind == "gguf" else "model_type"
-        served = [t for t in registry.model_types() if source.kind != "gguf" or registry.get(t).gguf]  # type: ignore[union-attr]
-        raise ModelLoadError(f"unsupported {what} {model_type!r}; supported: {served}")
+    if family is None:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {registry.model_types()}")
     return family
+
+
+def _gguf_family(source: ModelSource, registry: Architectures) -> tuple[Architecture, dict[str, Any]]:
+    """The family of a GGUF file and the ``config.json`` dict it reads the file as."""
+    info = read_info(source.path)
+    for family in registry.families():
+        if info.arch in family.gguf_architectures:
+            cfg = family.gguf_config(info)
+            if cfg is not None:
+                return family, cfg
+    experts = " with expert tensors" if info.key("expert_count") else ""
+    raise ModelLoadError(f"unsupported GGUF architecture {info.arch!r}{experts}; supported: "
+                         f"{registry.gguf_architectures()}")
 
 
 def load_arch(source: ModelSource, architectures: Architectures | None = None) -> ModelArch:
     """Read the architecture from ``config.json`` (HF) or the GGUF metadata, through the checkpoint's family
     among ``architectures`` (default: the host's builtin Llama family)."""
-    family = family_of(source, architectures)
     if source.kind == "gguf":
-        return _gguf_arch(source.path, family)
+        family, cfg = _gguf_family(source, architectures if architectures is not None else BUILTIN_ARCHITECTURES)
+        return family.read_config(cfg, None)
+    family = family_of(source, architectures)
     return family.read_config(json.loads((source.path / "config.json").read_text()), source.path)
 
 
-def _gguf_arch(path: Path, family: Architecture) -> ModelArch:
-    reader = read_gguf_header(path)
-    arch = reader.get("general.architecture")
-    hidden = int(reader.get(f"{arch}.embedding_length"))
-    heads = int(reader.get(f"{arch}.attention.head_count"))
-    names = set(reader.tensor_names)
-    vocab = reader.get(f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.get("tokenizer.ggml.tokens", []))
-    eos = reader.get("tokenizer.ggml.eos_token_id")
-    return ModelArch(
-        model_type=arch,
-        hidden_size=hidden,
-        num_layers=int(reader.get(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(reader.get(f"{arch}.feed_forward_length")),
-        vocab_size=int(vocab),
-        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(reader.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_as_list(eos),
-        torch_dtype="float32",
-        architecture=family.name,
-    )
-
-
 # -- weights -------------------------------------------------------------------------------
-_GGUF_TO_HF = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def gguf_name_to_hf(name: str) -> str | None:
-    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its HF name; None if unknown."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
-        return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"
-    return None
-
-
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's rotary row interleaving of a Q or K projection (weight or bias)."""
-    rows = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
 #: Which slice of an HF-named tensor to read: ``(dim, start, stop)``, or ``None`` for all of it.
 Sharding = Callable[[str], "tuple[int, int, int] | None"]
 
@@ -185,7 +140,7 @@ def iter_weights(
     family = family or family_of(source)
     arch = arch or load_arch(source, Architectures.of(family))
     if source.kind == "gguf":
-        raw = _iter_gguf(source.path, arch, shard)
+        raw = _iter_gguf(source.path, arch, family, shard)
     else:
         raw = _iter_safetensors(source.path, arch, family, shard)
     for name, array in raw:
@@ -207,20 +162,35 @@ def count_tensors(source: ModelSource, family: Architecture | None = None, arch:
     return total
 
 
-def _iter_gguf(path: Path, arch: ModelArch, shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def _gguf_pieces(name: str, shape: list[int], arch: ModelArch, family: Architecture) -> list[tuple[str, list[Piece]]]:
+    """GGUF tensor ``name``'s checkpoint name(s) (one per expert of a stack), each with the family's pieces."""
+    names = checkpoint_names(name, tuple(shape), {**BLOCK_NAMES, **family.gguf_names})
+    return [(n, family.tensor_pieces(n, arch)) for n in names or []]
+
+
+def _iter_gguf(path: Path, arch: ModelArch, family: Architecture,
+               shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Each GGUF tensor under its checkpoint name, in the checkpoint's form (:meth:`Architecture.from_gguf`), as
+    the family's pieces; a whole tensor is read only as far as a rank's slice, a split one whole."""
+
     for tensor in gguf_tensors(path):
-        hf = gguf_name_to_hf(tensor.name)
-        if hf is None:
-            continue
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
-        part = shard(hf) if shard is not None else None
-        array = _gguf_slice(tensor, shape, part)
-        # llama.cpp interleaves the rotary rows within each head, so a slice of whole heads unpermutes alone
-        if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
-            array = _unpermute_rows(array, array.shape[0] // arch.head_dim)
-        elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
-            array = _unpermute_rows(array, array.shape[0] // arch.head_dim)
-        yield hf, array
+        mapped = _gguf_pieces(tensor.name, shape, arch, family)
+        if len(mapped) == 1 and len(mapped[0][1]) == 1 and mapped[0][1][0].rows is None:
+            (name, (piece,)), = mapped
+            part = shard(piece.name) if shard is not None else None
+            yield piece.name, family.from_gguf(name, _gguf_slice(tensor, shape, part), arch)
+            continue
+        whole = _gguf_slice(tensor, shape, None)
+        for index, (name, pieces) in enumerate(mapped):
+            array = family.from_gguf(name, whole[index] if len(mapped) > 1 else whole, arch)
+            for piece in pieces:
+                rows = array if piece.rows is None else array[piece.rows[0] : piece.rows[1]]
+                part = shard(piece.name) if shard is not None else None
+                if part is not None:
+                    dim, lo, hi = part
+                    rows = rows[lo:hi] if dim == 0 else rows[:, lo:hi]
+                yield piece.name, np.ascontiguousarray(rows)
 
 
 def _gguf_slice(tensor: Any, shape: list[int], part: tuple[int, int, int] | None) -> np.ndarray:
@@ -339,33 +309,44 @@ def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     return FourBitGroups(np.ascontiguousarray(codes), scale, offset, 32)
 
 
-def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None) -> dict[str, FourBitGroups | EightBitGroups]:
-    """How the model file stores its matrices that are below 16 bits, under HF names.
+def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
+                     family: Architecture | None = None) -> dict[str, FourBitGroups | EightBitGroups]:
+    """How the model file stores its matrices that are below 16 bits, under canonical names.
 
     A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups`, a Q8_0 one to its :class:`EightBitGroups` (Q/K rows
-    un-permuted); other types (K-quants, Q5, Q6, floats) are left out, and so is everything of an HF directory.
+    un-permuted where the converter permuted them); other types (K-quants, Q5, Q6, floats) are left out, and so
+    are matrices the family splits (fused, stacks of experts), every matrix of a family whose rows are reordered
+    after reading (:attr:`~mindie_host.models.architecture.Architecture.gguf_low_bit`) and everything of an HF
+    directory.
     """
     if source.kind != "gguf":
         return {}
     import gguf
 
-    arch = arch or load_arch(source)
+    family = family or family_of(source)
+    arch = arch or load_arch(source, Architectures.of(family))
+    if not family.gguf_low_bit:
+        return {}
     out: dict[str, FourBitGroups | EightBitGroups] = {}
     for tensor in gguf_tensors(source.path):
-        hf = gguf_name_to_hf(tensor.name)
-        if hf is None or not hf.endswith(".weight"):
+        mapped = _gguf_pieces(tensor.name, [int(d) for d in reversed(tensor.shape.tolist())], arch, family)
+        if len(mapped) != 1 or len(mapped[0][1]) != 1 or mapped[0][1][0].rows is not None:
+            continue
+        hf = mapped[0][1][0].name
+        if not hf.endswith("proj.weight") and hf != "lm_head.weight" and hf != "model.embed_tokens.weight":
             continue
         groups: FourBitGroups | EightBitGroups | None = (
             _eight_bit_from_gguf(tensor) if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
             else _four_bit_from_gguf(tensor))
         if groups is None:
             continue
-        heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
+        heads = (arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
+                 ) if family.gguf_permuted(arch) else 0
         if heads and isinstance(groups, FourBitGroups):
-            groups = FourBitGroups(*(_unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
+            groups = FourBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
                                    groups.group_size)
         elif heads:
-            groups = EightBitGroups(*(_unpermute_rows(a, heads) for a in (groups.codes, groups.scale)),
+            groups = EightBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale)),
                                     groups.group_size)
         out[hf] = groups
     return out

@@ -214,7 +214,7 @@ class TorchBackend(ModelBackend):
                 self.progress(i, total, name)
         stored: dict[str, Any] = {}
         if tp is None:
-            stored = low_bit_matrices(self.source, arch) if self.quantization == "auto" else {}
+            stored = low_bit_matrices(self.source, arch, family) if self.quantization == "auto" else {}
             stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
         self.load_cpu_kernels(self._model_shapes(arch, weights, stored))  # before the weights take their form
         self.model = DecoderModel(arch, weights, self.platform, self.dtype, stored, tp, family)

@@ -24,7 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from mindie_host.backend_api import Architecture, ModelArch, ModelLoadError, Norms, Piece, rename_prefixes
+from mindie_host.backend_api import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Architecture,
+    GGUFInfo,
+    ModelArch,
+    ModelLoadError,
+    Norms,
+    Piece,
+    base_config,
+    rename_prefixes,
+)
 
 #: the language model's tensors in the multimodal layouts (transformers 5's and the older one) -> canonical names
 LM_PREFIXES = (
@@ -48,6 +59,37 @@ class Gemma3Family(Architecture):
         mlp_in="pre_feedforward_layernorm",
         mlp_out="post_feedforward_layernorm",
     )
+
+    gguf_architectures = ("gemma3",)
+    #: llama.cpp's names for the four norms of a layer
+    gguf_names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """llama.cpp's ``gemma3`` files as its runtime reads them: sliding layers by
+        ``attention.sliding_window_pattern`` (a flag per layer, or every n-th layer global; 6 when absent), the
+        sliding layers' own RoPE base (``rope.freq_base_swa``), queries scaled by the head size (the hidden size
+        over the heads for the 62-layer 27B)."""
+        cfg = base_config(info, "gemma3_text")
+        layers, window = cfg["num_hidden_layers"], cfg.pop("sliding_window", None)
+        pattern = info.key("attention.sliding_window_pattern", 6)
+        sliding = ([bool(v) for v in pattern] if isinstance(pattern, list)
+                   else [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)])
+        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        full.update(cfg.pop("rope_scaling", None) or {})
+        cfg.update(
+            layer_types=[SLIDING_ATTENTION if window and s else FULL_ATTENTION for s in sliding],
+            sliding_window=window or None,
+            rope_parameters={FULL_ATTENTION: full, SLIDING_ATTENTION: {
+                "rope_type": "default", "rope_theta": float(info.key("rope.freq_base_swa", 10000.0))}},
+            query_pre_attn_scalar=cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"],
+            final_logit_softcapping=info.key("final_logit_softcapping"),
+        )
+        return cfg
+
+    def from_gguf(self, name: str, array: np.ndarray, arch: ModelArch) -> np.ndarray:
+        """The norms back to the checkpoint's ``weight`` (llama.cpp's converter stores ``1 + weight``)."""
+        return array - 1.0 if name.endswith("norm.weight") else array
 
     def text_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """The language model's config with transformers' defaults and RoPE keys (``text_config`` of ``gemma3``)."""

@@ -11,9 +11,11 @@ output before the residual add (``post_self_attn_layernorm``, ``post_mlp_layerno
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from mindie_host.backend_api import Architecture, ModelArch, Norms, Piece, split_rows
+from mindie_host.backend_api import Architecture, GGUFInfo, ModelArch, Norms, Piece, base_config, split_rows
 
 #: the projections whose rows carry the rotary dimensions
 ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
@@ -57,6 +59,19 @@ class Glm4Family(GlmFamily):
     name = "glm4"
     model_types = ("glm4",)
     norms = Norms(attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
+    gguf_architectures = ("glm4",)
+    #: llama.cpp keeps the MLP's gate and up fused in ``ffn_up``, and names the branch-output norms its way
+    gguf_names = {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                  "post_ffw_norm": "post_mlp_layernorm"}
+    #: the rotary rows are reordered after reading (:meth:`adapt`), which stored 8-bit blocks would not follow
+    gguf_low_bit = False
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """llama.cpp's ``glm4`` text files (rotary rows as the checkpoint's: its converter reorders them only for
+        the multimodal M-RoPE form)."""
+        if not info.has("blk.0.attn_q.weight", "blk.0.post_attention_norm.weight"):
+            return None
+        return base_config(info, "glm4")
 
 
 GLM = GlmFamily()

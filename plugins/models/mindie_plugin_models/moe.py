@@ -27,10 +27,12 @@ import torch.nn.functional as F
 from mindie_host.backend_api import (
     Architecture,
     DecoderLayer,
+    GGUFInfo,
     ModelArch,
     ModelLoadError,
     Piece,
     Step,
+    base_config,
     dense_attention,
     dense_mlp,
 )
@@ -177,6 +179,16 @@ class Qwen3MoeFamily(MoEFamily):
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
     renormalize_default = False
+    gguf_architectures = ("qwen3moe",)
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """llama.cpp's ``qwen3moe`` files: its runtime renormalizes the kept experts' weights (``norm_topk_prob``)
+        and the layers without a router are dense."""
+        cfg = base_config(info, "qwen3_moe")
+        layers = cfg["num_hidden_layers"]
+        cfg.update(norm_topk_prob=True,
+                   mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in info.tensors])
+        return cfg
 
     def sparse_layers(self, cfg: dict[str, Any], layers: int) -> list[int]:
         """transformers' rule: not in ``mlp_only_layers``, and ``(i + 1) % decoder_sparse_step == 0``."""
@@ -200,6 +212,14 @@ class MixtralFamily(MoEFamily):
     name = "mixtral"
     model_types = ("mixtral",)
     float_weights = True
+    gguf_architectures = ("llama",)
+    gguf_rotary_permuted = True
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """A ``llama`` file with expert tensors (how llama.cpp's converter writes Mixtral); every layer sparse."""
+        if not info.key("expert_count") or "blk.0.ffn_gate_inp.weight" not in info.tensors:
+            return None
+        return base_config(info, "mixtral")
 
     def tensor_pieces(self, name: str, arch: ModelArch) -> list[Piece]:
         """``block_sparse_moe`` read as ``mlp``, each expert's ``w1`` / ``w3`` / ``w2`` as gate / up / down."""

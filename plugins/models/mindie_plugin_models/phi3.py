@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindie_host.backend_api import Architecture, ModelArch, Piece, split_rows
+from mindie_host.backend_api import Architecture, GGUFInfo, ModelArch, Piece, base_config, split_rows
 
 
 class Phi3Family(Architecture):
@@ -25,6 +25,22 @@ class Phi3Family(Architecture):
     model_types = ("phi3",)
     rope_kinds = ("default", "longrope")
     partial_rotary = True
+    gguf_architectures = ("phi3",)
+    #: llama.cpp keeps Q, K and V fused in ``attn_qkv`` and the MLP's gate and up in ``ffn_up``
+    gguf_names = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """llama.cpp's ``phi3`` files: LongRoPE's factors are the ``rope_factors_short`` / ``_long`` tensors, its
+        switch point ``rope.scaling.original_context_length``."""
+        cfg = base_config(info, "phi3")
+        if "rope_factors_long.weight" in info.tensors:
+            cfg["rope_scaling"] = {
+                "rope_type": "longrope",
+                "short_factor": info.tensor("rope_factors_short.weight").tolist(),
+                "long_factor": info.tensor("rope_factors_long.weight").tolist(),
+            }
+            cfg["original_max_position_embeddings"] = int(info.key("rope.scaling.original_context_length"))
+        return cfg
 
     def text_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """``config.json`` with the older LongRoPE names (``su``, ``yarn``) read as ``longrope``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindie_host.backend_api import Architecture, ModelArch, ModelLoadError
+from mindie_host.backend_api import Architecture, GGUFInfo, ModelArch, ModelLoadError, base_config
 
 
 class Qwen3Family(Architecture):
@@ -18,6 +18,11 @@ class Qwen3Family(Architecture):
 
     name = "qwen3"
     model_types = ("qwen3",)
+    gguf_architectures = ("qwen3",)
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """llama.cpp's ``qwen3`` files (rotary rows as the checkpoint's; no sliding window in the format)."""
+        return base_config(info, "qwen3")
 
     def build_layer(self, index: int, arch: ModelArch, weights: Any) -> Any:
         """The host's dense layer, once the checkpoint is seen to have the per-head norms."""

@@ -1,0 +1,147 @@
+"""GGUF files of each family as llama.cpp's own converter writes them, served like the HF directory they came from.
+
+Each family's tiny random model (conftest's config, made expressible in GGUF where the format cannot say what the
+HF config does, see :data:`GGUF_KEYS`) has its weights rounded to float16 and is saved with ``save_pretrained``;
+``convert_hf_to_gguf.py`` from llama-cpp-python's sdist (``scripts/fetch-llama-cpp.sh``; every conversion in one
+process) writes it at F16 and Q8_0. The F16 file, whose weights are the directory's, gives the directory's greedy
+tokens and prompt logprobs (within 1e-4); the Q8_0 file (served in its stored 8-bit blocks where the family allows)
+scores the F16 file's own continuations within :data:`PPL_DELTA` of the F16 file's perplexity. The family is
+recognised from the file alone: Mixtral is written as ``llama`` with expert tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SPECS, prompts
+from mindie_host.api import EngineRequest, SamplingParams
+from mindie_host.testing import (
+    convert_to_gguf,
+    llama_cpp_converter,
+    loaded_host,
+    make_tiny_model,
+    run_engine,
+    server_config,
+    tiny_tokenizer,
+)
+
+pytestmark = pytest.mark.skipif(
+    llama_cpp_converter() is None,
+    reason="llama.cpp's convert_hf_to_gguf.py is not unpacked (scripts/fetch-llama-cpp.sh, run by install-dev.sh)",
+)
+
+#: what each family's GGUF model changes in conftest's config: what llama.cpp's format cannot carry
+GGUF_KEYS: dict[str, dict[str, Any]] = {
+    # no sliding window in llama.cpp's qwen3
+    "qwen3": {"use_sliding_window": False, "sliding_window": None},
+    # llama.cpp's qwen3moe has no dense layers
+    "qwen3_moe": {"mlp_only_layers": []},
+    "mixtral": {},
+    "glm4": {},
+    # llama.cpp's gemma3 reads every 6th layer as global and scales queries by the head size
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                    "query_pre_attn_scalar": 64},
+    "phi3": {},
+}
+#: the family each file is served by
+FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "glm4": "glm4", "gemma3_text": "gemma3",
+          "phi3": "phi3"}
+#: the special tokens llama.cpp's GLM-4 converter looks up
+GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+#: the Q8_0 file's perplexity on the F16 file's continuations may differ from the F16 file's by this share
+PPL_DELTA = 0.02
+NEW = 16
+
+
+def round_to_f16(directory: Path) -> None:
+    """The directory's weights rounded to float16 (kept float32, so both sides compute alike)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in directory.glob("*.safetensors"):
+        tensors = {k: v.half().float() for k, v in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def tiny_gguf_model(name: str, directory: Path) -> Path:
+    """Family ``name``'s tiny model as :data:`GGUF_KEYS` changes it, with a tokenizer the converter accepts: GLM-4's
+    special tokens added; Phi-3's declared a GPT-2 tokenizer (the converter's other road needs sentencepiece)."""
+    keys = {**SPECS[name].keys, **GGUF_KEYS[name]}
+    config_class, model_class = SPECS[name].classes()
+    tokenizer_dir = None
+    if name == "glm4":
+        tokenizer = tiny_tokenizer()
+        tokenizer.add_special_tokens({"additional_special_tokens": GLM_TOKENS})
+        tokenizer_dir = directory.with_name(f"{directory.name}-tokenizer")
+        tokenizer.save_pretrained(str(tokenizer_dir))
+    path = make_tiny_model(directory, config_class, model_class, tokenizer_dir=tokenizer_dir, **keys)
+    if name == "phi3":
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    round_to_f16(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+    """name -> (f16-rounded HF directory, its F16 GGUF, its Q8_0 GGUF), converted in one converter process."""
+    root = tmp_path_factory.mktemp("gguf")
+    out: dict[str, tuple[Path, Path, Path]] = {}
+    for name in GGUF_KEYS:
+        hf = tiny_gguf_model(name, root / name)
+        out[name] = (hf, root / f"{name}-f16.gguf", root / f"{name}-q8_0.gguf")
+    convert_to_gguf([(hf, f, kind) for hf, f16, q8 in out.values() for f, kind in ((f16, "f16"), (q8, "q8_0"))])
+    return out
+
+
+@contextmanager
+def hosted(path: Path) -> Iterator[Any]:
+    # the models plugin named: its GGUF architectures' entry points are not in an older install's metadata
+    host = loaded_host(server_config(path, model={"dtype": "float32",
+                                                  "plugin_params": json.dumps({"plugin_type": "models"})}))
+    try:
+        yield host
+    finally:
+        host.shutdown()
+
+
+def greedy(host: Any, batch: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    reqs = [EngineRequest(f"g{i}", p, SamplingParams(max_tokens=NEW, ignore_eos=True, prompt_logprobs=0))
+            for i, p in enumerate(batch)]
+    out = run_engine(host, reqs)
+    return ([out[f"g{i}"].token_ids for i in range(len(batch))],
+            [[lp.logprob for lp in out[f"g{i}"].prompt_logprobs[1:]] for i in range(len(batch))])
+
+
+def continuation_ppl(host: Any, batch: list[list[int]], continuations: list[list[int]]) -> float:
+    """The perplexity of ``continuations`` after their prompts, scored as prompt tokens."""
+    reqs = [EngineRequest(f"s{i}", p + c, SamplingParams(max_tokens=1, prompt_logprobs=0))
+            for i, (p, c) in enumerate(zip(batch, continuations))]
+    out = run_engine(host, reqs)
+    lps = [lp.logprob for i, p in enumerate(batch) for lp in out[f"s{i}"].prompt_logprobs[len(p):]]
+    return math.exp(-sum(lps) / len(lps))
+
+
+@pytest.mark.parametrize("name", list(GGUF_KEYS))
+def test_gguf_file_serves_as_its_hf_directory(name: str, gguf_models: dict[str, tuple[Path, Path, Path]]) -> None:
+    hf, f16, q8 = gguf_models[name]
+    vocab = json.loads((hf / "config.json").read_text()).get("vocab_size") or 49152
+    batch = [prompts(vocab)[0], prompts(vocab)[3]]  # 17 and 47 tokens: past the sliding windows
+    with hosted(hf) as host:
+        want_tokens, want_lps = greedy(host, batch)
+    with hosted(f16) as host:
+        assert host.backend.family.name == FAMILY[name]
+        tokens, lps = greedy(host, batch)
+        ppl16 = continuation_ppl(host, batch, tokens)
+    assert tokens == want_tokens
+    for got, want in zip(lps, want_lps):
+        assert got == pytest.approx(want, abs=1e-4)
+    with hosted(q8) as host:
+        ppl8 = continuation_ppl(host, batch, tokens)
+    assert abs(ppl8 / ppl16 - 1) < PPL_DELTA, (ppl16, ppl8)
