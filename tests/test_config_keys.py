@@ -61,14 +61,21 @@ def test_keys_without_effect_are_reported() -> None:
     cfg = _config(ServerConfig__interCommTlsCert="other/server.pem")
     notes = no_effect(cfg)
     assert any(n.startswith("ServerConfig.interCommTlsCert is 'other/server.pem': no effect here") for n in notes)
-    # keys beside the TLS files that are read: PD's port, and the TLS switches (refused when true where they apply)
     notes = no_effect(_config(BackendConfig__ModelDeployConfig__ModelConfig=[
         {"modelInstanceType": "StandardMock", "dtype": "bfloat16", "quantization": "none"}]))
     assert notes == [f"BackendConfig.ModelDeployConfig.ModelConfig[0].{key} is {value!r}: no effect here "
                      "(modelInstanceType 'StandardMock' loads no model)"
                      for key, value in (("dtype", "bfloat16"), ("quantization", "none"))]
-    assert not no_effect(_config(ServerConfig__interCommPort=2000, ServerConfig__interCommTLSEnabled=False,
-                                 BackendConfig__interNodeTLSEnabled=False, BackendConfig__multiNodesInferPort=2001))
+    # keys beside the TLS files that are read where their mode is on: PD's port and TLS switch (dmi), the
+    # multi-node port and TLS switch (multi-node); with the mode off they are reported as the spec scopes them
+    scoped = {"ServerConfig__interCommPort": 2000, "ServerConfig__interCommTLSEnabled": False,
+              "BackendConfig__interNodeTLSEnabled": False, "BackendConfig__multiNodesInferPort": 2001}
+    assert not no_effect(_config(**scoped, ServerConfig__inferMode="dmi", BackendConfig__multiNodesInferEnabled=True))
+    notes = no_effect(_config(**scoped))
+    assert [n.split(" is ")[0] for n in notes] == ["ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort",
+                                                   "BackendConfig.interNodeTLSEnabled",
+                                                   "BackendConfig.multiNodesInferPort"]
+    assert "the spec uses it with inferMode 'dmi' only" in notes[0]
     assert not no_effect(config_from_dict(default_config_dict()))
 
 

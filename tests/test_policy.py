@@ -71,19 +71,20 @@ class Sim:
         config = config_with(cacheBlockSize=2, maxPrefillBatchSize=0, **schedule)
         self.plugins = PluginHost()
         self.plugins.bind(config)
-        sc = config.schedule
-        lim = limits(max_batch_size=sc.maxBatchSize, max_prefill_batch_size=sc.prefill_batch_limit,
-                     max_queue_delay_s=0.0005)
-        self.scheduler = Scheduler(KVCacheManager(blocks, 2), lim, self.plugins.hook, config, None,  # type: ignore[arg-type]
-                                   Counter())
+        self.scheduler = Scheduler(KVCacheManager(blocks, 2), SchedulerLimits.from_schedule(config.schedule),
+                                   self.plugins.hook, config, None, Counter())  # type: ignore[arg-type]
         self.now = 3.0  # the requests arrive at -1 to 2
 
-    def run(self, seqs: list[Sequence]) -> list[str]:
-        """Each step's plan (request ids, in plan order) until every sequence finished."""
+    def run(self, seqs: list[Sequence], later: dict[int, list[Sequence]] | None = None) -> list[str]:
+        """Each step's plan (request ids, in plan order) until every sequence finished; ``later[k]`` arrive just
+        before step ``k``."""
         for s in seqs:
             self.scheduler.add(s)
-        steps = []
-        while self.scheduler.has_work() and len(steps) < 50:
+        steps: list[str] = []
+        while (self.scheduler.has_work() or later) and len(steps) < 50:
+            for s in (later or {}).pop(len(steps), []):
+                s.arrival_time = self.now - 0.5
+                self.scheduler.add(s)
             plan = self.scheduler.schedule(self.now)
             self.scheduler.mark_computed(plan)
             for s, _ in plan.scheduled:
@@ -143,6 +144,21 @@ def test_skip_join_mlfq_follows_a_hand_worked_schedule() -> None:
     # FCFS on the same requests: L and s1 first, s2 once s1 is done
     seqs = [history(8, 0.0, "L", 2), history(1, 1.0, "s1", 6), history(2, 2.0, "s2", 6)]
     assert Sim(64, maxBatchSize=2).run(seqs) == ["L s1", "L s1", "s2", "s1 s2", "s1 s2", "s1 s2", "s1 s2", "s2"]
+
+
+@pytest.mark.parametrize(
+    ("select", "steps"),
+    [
+        # off: a waiting prompt past maxQueueDelay is prefilled at once
+        (False, ["a b", "a b", "c", "a b c", "a b", "a b", "a b", "a b", "a b"]),
+        # on (spec's rule, prefillTimeMsPerReq 150, decodeTimeMsPerReq 50, maxBatchSize 4): c would make 2 decodes wait
+        # 300 ms; decodes run until their waste, 50 x (4 - 2) a step, reaches that: 100, 200, 300, then c's prefill
+        (True, ["a b", "a b", "a b", "a b", "a b", "c", "a b c", "a b", "a b"]),
+    ],
+)
+def test_support_select_batch_follows_a_hand_worked_schedule(select: bool, steps: list[str]) -> None:
+    sim = Sim(64, maxBatchSize=4, supportSelectBatch=select)
+    assert sim.run([history(2, 0.0, "a", 8), history(2, 1.0, "b", 8)], later={2: [history(2, 2.0, "c", 2)]}) == steps
 
 
 def test_skip_join_mlfq_promotes_a_starving_job() -> None:

@@ -172,6 +172,18 @@ def no_effect(config: Config) -> list[str]:
         notes += [f"BackendConfig.ModelDeployConfig.ModelConfig[0].{key} is {getattr(mc, key)!r}: no effect here "
                   "(modelInstanceType 'StandardMock' loads no model)"
                   for key in MOCK_NO_EFFECT if getattr(mc, key) != getattr(base, key)]
+    srv, be = config.ServerConfig, config.BackendConfig
+    scoped = []  # keys the spec gives a meaning only in a mode that is off
+    if srv.inferMode != "dmi":
+        scoped += [(f"ServerConfig.{k}", getattr(srv, k), getattr(default.ServerConfig, k),
+                    "PD's inter-instance link: the spec uses it with inferMode 'dmi' only")
+                   for k in ("interCommTLSEnabled", "interCommPort")]
+    if not be.multiNodesInferEnabled:
+        scoped += [(f"BackendConfig.{k}", getattr(be, k), getattr(default.BackendConfig, k),
+                    "multi-node inference: the spec uses it with multiNodesInferEnabled true only")
+                   for k in ("interNodeTLSEnabled", "multiNodesInferPort")]
+    notes += [f"{path} is {value!r}: no effect here ({why})" for path, value, base_value, why in scoped
+              if value != base_value]
     for path, value, default_value in config_leaves(config, default, ""):
         reason = NO_EFFECT_KEYS.get(path)
         if reason is not None and value != default_value and value not in ("", [], None, False):

@@ -35,6 +35,20 @@ class SchedulerLimits:
     decode_time_ms_per_req: int = 50
     recompute_threshold: float = 0.5
 
+    @classmethod
+    def from_schedule(cls, sc: Any, recompute_threshold: float = 0.5) -> SchedulerLimits:
+        """The limits a ``ScheduleConfig`` sets, with ``MIES_RECOMPUTE_THRESHOLD``'s value."""
+        return cls(
+            max_batch_size=sc.maxBatchSize,
+            max_prefill_batch_size=sc.maxPrefillBatchSize or sc.maxBatchSize,
+            max_prefill_tokens=sc.maxPrefillTokens,
+            max_queue_delay_s=sc.maxQueueDelayMicroseconds / 1e6,
+            support_select_batch=sc.supportSelectBatch,
+            prefill_time_ms_per_req=sc.prefillTimeMsPerReq,
+            decode_time_ms_per_req=sc.decodeTimeMsPerReq,
+            recompute_threshold=recompute_threshold,
+        )
+
 
 @dataclass
 class SchedulerState:

@@ -46,16 +46,7 @@ def build_engine(
     backend.allocate_kv_cache(num_blocks, block_size)
     backend.warmup()
     kv = plugins.hook.mindie_host_kv_cache_manager(num_blocks=num_blocks, block_size=block_size, config=config)
-    limits = SchedulerLimits(
-        max_batch_size=sc.maxBatchSize,
-        max_prefill_batch_size=sc.maxPrefillBatchSize or sc.maxBatchSize,
-        max_prefill_tokens=sc.maxPrefillTokens,
-        max_queue_delay_s=sc.maxQueueDelayMicroseconds / 1e6,
-        support_select_batch=sc.supportSelectBatch,
-        prefill_time_ms_per_req=sc.prefillTimeMsPerReq,
-        decode_time_ms_per_req=sc.decodeTimeMsPerReq,
-        recompute_threshold=config.environment.recompute_threshold,
-    )
+    limits = SchedulerLimits.from_schedule(sc, config.environment.recompute_threshold)
     swap = swap_space(config, backend)
     connector = kv_connector(plugins, config, backend, info, block_size) if config.server.inferMode == "dmi" else None
     llm = LLMEngine(

@@ -68,8 +68,10 @@ def build_sampling(host: Host, values: dict[str, Any], do_sample: bool | None = 
     if do_sample is None:
         if values.get("temperature") == 0:
             sample = False
-        else:
-            sample = any(k in values for k in SAMPLING_KEYS)
+        elif any(k in values for k in SAMPLING_KEYS):
+            sample = True
+        else:  # the request says nothing: ModelConfig.do_sample when set, else greedy
+            sample = bool(host.model_config.do_sample)
     else:
         sample = do_sample
     merged = {**model_defaults(host), **values}
