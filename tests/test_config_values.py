@@ -152,8 +152,6 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     # values that another key's value rules out
     ({f"{M}.kvCacheDtype": "int8", "ServerConfig.inferMode": "dmi", "ServerConfig.interCommTLSEnabled": False},
      "kvCacheDtype: got 'int8' with ServerConfig.inferMode 'dmi'"),
-    ({f"{M}.modelInstanceType": "StandardMock", "ServerConfig.inferMode": "dmi",
-      "ServerConfig.interCommTLSEnabled": False}, "inferMode: got 'dmi' with modelInstanceType 'StandardMock'"),
 ]
 
 

@@ -8,6 +8,7 @@ through the coordinator, which routes to both; the probes answer as on a served 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,6 +109,26 @@ def test_probes_and_model_listing(cluster: Cluster) -> None:
         assert httpx.get(cluster.server_url(k) + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
     assert httpx.get(cluster.manage_url + "/v1/readiness", timeout=10).status_code == 200
     assert httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
+
+
+def test_pd_disaggregation_through_the_coordinator(tmp_path: Path) -> None:
+    """Two StandardMock servers in dmi mode, one made P and one D by the controller: the coordinator joins P's first
+    token and D's rest into the placeholder (a block carries no KV; the transfer still runs)."""
+    cfg = server_config(None, model=MOCK, server={"engineProcess": False, "inferMode": "dmi",
+                                                  "interCommTLSEnabled": False})
+    pd = {"deploy_mode": "pd_separate", "scheduler_type": "digs_scheduler", "algorithm_type": "load_balance"}
+    with Cluster(tmp_path, 2, server_config=cfg, coordinator={"digs_scheduler_config": pd},
+                 controller={"deploy_mode": "pd_separate", "default_p_rate": 1, "default_d_rate": 1,
+                             "rank_table_detecting_seconds": 1, "check_role_wait_seconds": 1}) as c:
+        roles = sorted(httpx.get(f"http://127.0.0.1:{s['management_port']}/v1/status", timeout=10).json()["service"]
+                       ["currentRole"] for s in c.servers)
+        assert roles == ["decode", "prefill"]
+        r = httpx.post(c.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 200})
+        assert r.json()["choices"][0]["message"]["content"] == PLACEHOLDER, r.text
+        r = httpx.post(c.url + "/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 200}},
+                       timeout=60)
+        assert sse_text(r, lambda e: None if e["token"]["special"] else e["token"]["text"]) == PLACEHOLDER
 
 
 def test_the_tokenizer_at_model_weight_path_is_used() -> None:

@@ -8,7 +8,8 @@ else a built-in byte-level tokenizer (:func:`~mindie_host.tokenizer.byte_level_t
 
 The logits of every row put the next placeholder token :data:`GAP` nats above all others, so sampling
 at any temperature, top-k or top-p picks it; logprobs are those of these logits. No KV is stored: the
-answer does not depend on the context.
+answer does not depend on the context. Under PD disaggregation a block exports as one zero, so P and D
+instances, the controller's roles and the coordinator's PD routing work as with a model.
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ class MockBackend(ModelBackend):
 
     def set_max_positions(self, max_positions: int) -> None:
         self.max_positions = max(self.max_positions, max_positions)
+
+    # PD disaggregation: a block holds nothing; one float per block keeps the transfer's framing
+    def kv_block_shapes(self) -> tuple[str, list[list[int]]] | None:
+        return "float32", [[1]]
+
+    def export_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        return [torch.zeros(len(blocks), 1)]
+
+    def import_blocks(self, blocks: list[int], tensors: list[torch.Tensor]) -> None:
+        """Nothing to write."""
 
     def next_token(self, output_index: int) -> int:
         """The placeholder token at ``output_index`` of the answer (0: the first generated token)."""

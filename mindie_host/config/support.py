@@ -128,9 +128,6 @@ def _mock_errors(config: Config) -> list[str]:
     if mc.worldSize > 1 or be.multiNodesInferEnabled:
         errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: got {mc.worldSize} {why}; allowed 1 "
                       "(there are no weights to split over ranks); multiNodesInferEnabled must be false")
-    if config.ServerConfig.inferMode == "dmi":
-        errors.append(f"ServerConfig.inferMode: got 'dmi' {why}; allowed 'standard' (a StandardMock instance holds "
-                      "no KV to hand from a P to a D instance)")
     return errors
 
 
