@@ -150,6 +150,8 @@ def checkpoint_names(name: str, shape: tuple[int, ...], names: dict[str, str]) -
     layer, base, suffix = parts[1], parts[2], parts[3]
     if base in EXPERT_STACKS and suffix == "weight" and len(shape) == 3:
         return [f"model.layers.{layer}.mlp.experts.{i}.{EXPERT_STACKS[base]}.weight" for i in range(shape[0])]
+    if f"{base}.{suffix}" in names:  # a whole name (DeepSeek's ``exp_probs_b.bias``)
+        return [f"model.layers.{layer}.{names[f'{base}.{suffix}']}"]
     if base in names:
         return [f"model.layers.{layer}.{names[base]}.{suffix}"]
     return None

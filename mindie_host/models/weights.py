@@ -330,7 +330,7 @@ def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
     out: dict[str, FourBitGroups | EightBitGroups] = {}
     for tensor in gguf_tensors(source.path):
         mapped = _gguf_pieces(tensor.name, [int(d) for d in reversed(tensor.shape.tolist())], arch, family)
-        if len(mapped) != 1 or len(mapped[0][1]) != 1 or mapped[0][1][0].rows is not None:
+        if len(mapped) != 1 or len(mapped[0][1]) != 1 or mapped[0][1][0].rows is not None or len(tensor.shape) != 2:
             continue
         hf = mapped[0][1][0].name
         if not hf.endswith("proj.weight") and hf != "lm_head.weight" and hf != "model.embed_tokens.weight":

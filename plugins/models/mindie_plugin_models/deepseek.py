@@ -35,11 +35,13 @@ from mindie_host.backend_api import (
     Architecture,
     DecoderLayer,
     GatedMLP,
+    GGUFInfo,
     KVSpec,
     ModelArch,
     ModelLoadError,
     Piece,
     Step,
+    base_config,
     dense_mlp,
 )
 
@@ -203,11 +205,65 @@ class SharedAndRouted:
         return self.routed(h, step) + self.shared(h, step)
 
 
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """``kv_b_proj`` ``[heads * (nope + v), rank]`` from llama.cpp's split of it: each head's key part transposed
+    (``k_b`` ``[heads, rank, nope]``) and its value part (``v_b`` ``[heads, v, rank]``)."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, v_b.shape[-1]).contiguous()
+
+
 class DeepseekV3Family(Architecture):
     """``DeepseekV3ForCausalLM`` checkpoints (DeepSeek-V3, R1)."""
 
     name = "deepseek_v3"
     model_types = ("deepseek_v3",)
+    gguf_architectures = ("deepseek2",)
+    #: llama.cpp's names for the latent attention's, the router's bias and the shared experts' tensors; it splits
+    #: ``kv_b_proj`` into a transposed key part and a value part (``k_b_proj``/``v_b_proj``, joined in build_layer)
+    gguf_names = {
+        "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    }
+    #: V3's sigmoid routing with the correction bias (llama.cpp's ``expert_gating_func`` 2), V2's softmax (1)
+    sigmoid_routing = True
+
+    def gguf_config(self, info: GGUFInfo) -> dict[str, Any] | None:
+        """A ``deepseek2`` file of this version: sigmoid routing (``expert_gating_func`` 2, or the routers'
+        correction bias when the file does not say) is V3's, softmax V2's; MLA's sizes from the ``*_mla`` keys."""
+        gating = info.key("expert_gating_func")
+        sigmoid = gating == 2 if gating is not None else "blk.0.exp_probs_b.bias" in info.tensors or any(
+            n.endswith("exp_probs_b.bias") for n in info.tensors)
+        if sigmoid != self.sigmoid_routing:
+            return None
+        cfg = base_config(info, self.name)
+        cfg.pop("partial_rotary_factor", None)
+        rope = int(info.key("rope.dimension_count"))
+        groups = int(info.key("expert_group_count") or 1)
+        cfg.update(
+            num_key_value_heads=cfg["num_attention_heads"],  # the converter writes MLA as one KV head
+            q_lora_rank=info.key("attention.q_lora_rank"),
+            kv_lora_rank=int(info.key("attention.kv_lora_rank")),
+            qk_rope_head_dim=rope,
+            qk_nope_head_dim=int(info.key("attention.key_length_mla")) - rope,
+            v_head_dim=int(info.key("attention.value_length_mla")),
+            n_routed_experts=cfg.get("num_experts"),
+            n_group=groups,
+            topk_group=int(info.key("expert_group_used_count") or 1),
+            routed_scaling_factor=float(info.key("expert_weights_scale") or 1.0),
+            norm_topk_prob=bool(info.key("expert_weights_norm") or False),
+            n_shared_experts=int(info.key("expert_shared_count") or 0),
+            first_k_dense_replace=int(info.key("leading_dense_block_count") or 0),
+        )
+        if not self.sigmoid_routing:
+            cfg["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+        scaling = cfg.get("rope_scaling")
+        if scaling is not None and info.key("rope.scaling.yarn_log_multiplier") is not None:
+            mscale = float(info.key("rope.scaling.yarn_log_multiplier")) / 0.1  # the converter writes 0.1 * it
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        return cfg
 
     def read_config(self, cfg: dict[str, Any], directory: Any = None) -> ModelArch:
         """The base reading plus MLA's ranks and head parts and the experts' routing."""
@@ -267,6 +323,8 @@ class DeepseekV3Family(Architecture):
             return 0, lo * width, hi * width
         if name.endswith("self_attn.o_proj.weight"):
             return 1, lo * o["v_dim"], hi * o["v_dim"]
+        if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):  # GGUF's [heads, ...] parts
+            return 0, lo, hi
         if ".self_attn." in name or ".mlp.gate." in name:
             return None
         for part, size in ((".mlp.experts.", o["moe_intermediate_size"]),
@@ -319,7 +377,8 @@ class DeepseekV3Family(Architecture):
             q_a_norm=weights.tensor(a + "q_a_layernorm.weight") if low_rank_q else None,
             kv_a=weights.linear(a + "kv_a_proj_with_mqa.weight"),
             kv_a_norm=weights.tensor(a + "kv_a_layernorm.weight"),
-            kv_b=weights.tensor(a + "kv_b_proj.weight"),
+            kv_b=weights.tensor(a + "kv_b_proj.weight") if weights.has(a + "kv_b_proj.weight") else join_kv_b(
+                weights.tensor(a + "k_b_proj.weight"), weights.tensor(a + "v_b_proj.weight")),
             o_proj=weights.linear(a + "o_proj.weight"),
             num_heads=arch.num_heads,
             nope_dim=o["nope_dim"],
@@ -355,6 +414,7 @@ class DeepseekV2Family(DeepseekV3Family):
 
     name = "deepseek_v2"
     model_types = ("deepseek_v2",)
+    sigmoid_routing = False
 
     def read_config(self, cfg: dict[str, Any], directory: Any = None) -> ModelArch:
         """V3's reading; the rotary pairs interleaved; ``topk_method`` ``greedy`` or ``group_limited_greedy``."""

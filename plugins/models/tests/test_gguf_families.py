@@ -49,10 +49,12 @@ GGUF_KEYS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
                     "query_pre_attn_scalar": 64},
     "phi3": {},
+    "deepseek_v3": {},
+    "deepseek_v2": {},
 }
 #: the family each file is served by
 FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "glm4": "glm4", "gemma3_text": "gemma3",
-          "phi3": "phi3"}
+          "phi3": "phi3", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
 #: the special tokens llama.cpp's GLM-4 converter looks up
 GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 #: the Q8_0 file's perplexity on the F16 file's continuations may differ from the F16 file's by this share
