@@ -1,8 +1,10 @@
 """The public surface for plugin authors and embedding applications: import from here, never from internals.
 
-    from mindie_host.api import hookimpl, SchedulingContext, KVCacheManager, StepPlan, ...
+    from mindie_host.api import hookimpl, EngineContext, KVCacheManager, StepPlan, ...
 
-It holds the hook marker, the context types, the config types, ``Host`` (the running host's
+It holds the plugin contract's version (``CONTRACT_VERSION``, 3: every hook takes ``ctx`` and no argument that
+duplicates it; docs/plugins.md says what changed in each version), the hook marker, the context types (one per
+shape: ``HostContext``, ``EngineContext``, ``BackendContext``), the config types, ``Host`` (the running host's
 protocol: annotate with it), the engine's request, sequence and scheduling types, the KV block-pool protocol and the model-backend contract
 (``ModelBackend``, ``ModelInput``, ``LinearDeltas``), the KV connector's types (``KVConnector``, ``KVLayout``,
 ``TransferEvent``), the errors a plugin raises or a startup raises (``PluginError``, ``EngineStartError``),
@@ -18,14 +20,7 @@ from . import hookimpl
 from .backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput, PayloadSlice
 from .config import Config, ModelConfig, config_from_dict
 from .content import MediaHandler, register_media_handler, unregister_media_handler
-from .context import (
-    BackendContext,
-    KVContext,
-    LifecycleContext,
-    PluginContext,
-    RequestContext,
-    SchedulingContext,
-)
+from .context import RENAMED_CONTEXTS, BackendContext, EngineContext, HostContext, PluginContext
 from .engine.block_pool import BlockPool, RefCountedBlockPool
 from .engine.handle import EngineStartError
 from .engine.kv_cache import KVCacheManager
@@ -54,7 +49,7 @@ from .engine.speculation import (
 from .host_protocol import Host
 from .models.default import DEFAULT_MODEL_NAME, default_model_path
 from .models.weights import ModelSource, resolve_model
-from .plugins import PluginError
+from .plugins import CONTRACT_VERSION, MIGRATION_DOC, PluginError
 from .reasoning_parsers import ReasoningParser
 from .tokenizer import load_tokenizer
 from .tool_parsers import (
@@ -71,15 +66,14 @@ __all__ = [
     "BlockPool",
     "RefCountedBlockPool",
     "BackendContext",
+    "CONTRACT_VERSION",
     "Config",
+    "EngineContext",
     "Host",
-    "KVContext",
-    "LifecycleContext",
+    "HostContext",
     "LinearDeltas",
     "ModelConfig",
     "PluginContext",
-    "RequestContext",
-    "SchedulingContext",
     "DEFAULT_MODEL_NAME",
     "DraftOutcome",
     "DraftRequest",
@@ -130,3 +124,13 @@ __all__ = [
     "config_from_dict",
     "load_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A name contract 2 exported and contract 3 renamed: one ImportError that says what to import instead."""
+    if name in RENAMED_CONTEXTS:
+        raise ImportError(
+            f"mindie_host.api.{name} is {RENAMED_CONTEXTS[name]} since plugin contract {CONTRACT_VERSION} (one "
+            f"context class per shape); see {MIGRATION_DOC}"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

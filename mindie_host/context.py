@@ -1,19 +1,21 @@
-"""The typed context every hook implementation can take as its ``ctx`` argument.
+"""The typed context every hook implementation takes as its ``ctx`` argument.
 
-A hook implementation that names a ``ctx`` parameter receives a frozen
-dataclass built for *its own* plugin and the hook's concern::
+A hook implementation takes ``ctx`` first and receives a frozen dataclass
+built for *its own* plugin, of the shape its hook needs::
 
     @hookimpl
-    def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int):
+    def mindie_host_kv_cache_manager(ctx: EngineContext, num_blocks: int, block_size: int):
         ctx.log.info("pool of %d blocks", num_blocks)
         ctx.state.manager = MyManager(num_blocks, block_size, ctx.params.numBlocks)
         return ctx.state.manager
 
 What a context carries (:class:`PluginContext`): the whole config, the model
 entry being served, the plugin's own validated parameters, a logger named
-``mindie_host.plugins.<name>`` and the plugin's per-engine state object. The
-concern subclasses add what that concern needs (the running host for the
-lifecycle and request-parsing hooks).
+``mindie_host.plugins.<name>`` and the plugin's per-engine state object. There
+is one context class per shape: :class:`HostContext` adds the running host (the
+lifecycle and request-parsing hooks), :class:`BackendContext` the model families
+(the model-backend hooks), and :class:`EngineContext` adds nothing (the
+scheduling and KV-cache hooks, which run in the engine).
 
 A plugin declares its parameters and its state as attributes of the plugin
 module (or object):
@@ -69,41 +71,28 @@ class PluginContext:
 
 
 @dataclass(frozen=True)
-class LifecycleContext(PluginContext):
-    """Context of the lifecycle hooks: config validation, startup, shutdown, metrics, step outputs.
+class HostContext(PluginContext):
+    """Context of the hooks that run beside the running host: the lifecycle hooks (config validation,
+    startup, shutdown, metrics, step outputs, engine commands, engine restarts) and the request-parsing
+    hooks (routes, request refinement, request arrival and end, tool-call and reasoning parsers, served
+    model names).
 
-    :ivar host: the running :class:`~mindie_host.host_protocol.Host`; ``None`` during
-        ``mindie_host_validate_config``, which runs before anything is loaded.
+    :ivar host: the running :class:`~mindie_host.host_protocol.Host` (tokenizer, limits, statistics,
+        ``generate``); ``None`` during ``mindie_host_validate_config``, which runs before anything is loaded.
     """
 
     host: Host | None = None
 
 
 @dataclass(frozen=True)
-class RequestContext(PluginContext):
-    """Context of the request-parsing hooks: routes, request refinement, request end, tool-call and reasoning parsers.
+class EngineContext(PluginContext):
+    """Context of the hooks the engine calls while it schedules: the scheduling-policy hooks (queue order,
+    admission filter, step plan, preemption, draft tokens) and the KV-cache hooks (the block manager, the
+    connector).
 
-    :ivar host: the running :class:`~mindie_host.host_protocol.Host` (tokenizer, limits, ``generate``).
-    """
-
-    host: Host | None = None
-
-
-@dataclass(frozen=True)
-class SchedulingContext(PluginContext):
-    """Context of the scheduling-policy hooks: queue order, admission filter, step plan, preemption, draft tokens.
-
-    These run on the engine thread (in the engine process when ``engineProcess``
-    is on), once per step: keep them cheap. ``config.schedule`` holds the
-    ``ScheduleConfig`` limits.
-    """
-
-
-@dataclass(frozen=True)
-class KVContext(PluginContext):
-    """Context of the KV-cache hooks: building the block manager.
-
-    ``config.schedule.cacheBlockSize`` and the pool size come as hook arguments.
+    These run on the engine thread (in the engine process when ``engineProcess`` is on), the scheduling
+    ones once per step: keep them cheap. ``config.schedule`` holds the ``ScheduleConfig`` limits; the pool
+    size and block size come as hook arguments.
     """
 
 
@@ -122,39 +111,47 @@ class BackendContext(PluginContext):
 
 #: Which context type each hook receives.
 HOOK_CONCERNS: dict[str, type[PluginContext]] = {
-    "mindie_host_validate_config": LifecycleContext,
-    "mindie_host_startup": LifecycleContext,
-    "mindie_host_shutdown": LifecycleContext,
-    "mindie_host_metrics": LifecycleContext,
-    "mindie_host_step_outputs": LifecycleContext,
-    "mindie_host_engine_command": LifecycleContext,
-    "mindie_host_engine_restarted": LifecycleContext,
-    "mindie_host_add_routes": RequestContext,
-    "mindie_host_refine_request": RequestContext,
-    "mindie_host_request_arrived": RequestContext,
-    "mindie_host_request_finished": RequestContext,
-    "mindie_host_tool_call_parser": RequestContext,
-    "mindie_host_reasoning_parser": RequestContext,
-    "mindie_host_served_models": RequestContext,
-    "mindie_host_order_waiting": SchedulingContext,
-    "mindie_host_order_running": SchedulingContext,
-    "mindie_host_filter_waiting": SchedulingContext,
-    "mindie_host_plan_step": SchedulingContext,
-    "mindie_host_preemption_victim": SchedulingContext,
-    "mindie_host_propose_drafts": SchedulingContext,
-    "mindie_host_drafts_accepted": SchedulingContext,
-    "mindie_host_kv_cache_manager": KVContext,
-    "mindie_host_kv_connector": KVContext,
+    "mindie_host_validate_config": HostContext,
+    "mindie_host_startup": HostContext,
+    "mindie_host_shutdown": HostContext,
+    "mindie_host_metrics": HostContext,
+    "mindie_host_step_outputs": HostContext,
+    "mindie_host_engine_command": HostContext,
+    "mindie_host_engine_restarted": HostContext,
+    "mindie_host_add_routes": HostContext,
+    "mindie_host_refine_request": HostContext,
+    "mindie_host_request_arrived": HostContext,
+    "mindie_host_request_finished": HostContext,
+    "mindie_host_tool_call_parser": HostContext,
+    "mindie_host_reasoning_parser": HostContext,
+    "mindie_host_served_models": HostContext,
+    "mindie_host_order_waiting": EngineContext,
+    "mindie_host_order_running": EngineContext,
+    "mindie_host_filter_waiting": EngineContext,
+    "mindie_host_plan_step": EngineContext,
+    "mindie_host_preemption_victim": EngineContext,
+    "mindie_host_propose_drafts": EngineContext,
+    "mindie_host_drafts_accepted": EngineContext,
+    "mindie_host_kv_cache_manager": EngineContext,
+    "mindie_host_kv_connector": EngineContext,
     "mindie_host_model_backend": BackendContext,
     "mindie_host_backend_types": BackendContext,
     "mindie_host_linear_deltas": BackendContext,
     "mindie_host_model_architectures": BackendContext,
 }
 
+#: Contract 2's context classes, merged in contract 3 into the class of their shape (old name -> new name).
+RENAMED_CONTEXTS: dict[str, str] = {
+    "LifecycleContext": "HostContext",
+    "RequestContext": "HostContext",
+    "SchedulingContext": "EngineContext",
+    "KVContext": "EngineContext",
+}
+
 
 def concern_of(hook_name: str) -> type[PluginContext]:
-    """The context type of ``hook_name`` (hooks added later without an entry get :class:`LifecycleContext`)."""
-    return HOOK_CONCERNS.get(hook_name, LifecycleContext)
+    """The context type of ``hook_name`` (hooks added later without an entry get :class:`HostContext`)."""
+    return HOOK_CONCERNS.get(hook_name, HostContext)
 
 
 def plugin_logger(name: str) -> logging.Logger:

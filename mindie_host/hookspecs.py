@@ -23,18 +23,21 @@ The hooks fall into five concerns:
 * model backend: the runner for a ``backendType``, and the model families (architectures) it can load.
 
 Every hook takes a ``ctx`` argument first: a frozen, typed context built for
-the implementing plugin and the hook's concern (:mod:`mindie_host.context`:
-:class:`LifecycleContext`, :class:`RequestContext`, :class:`SchedulingContext`,
-:class:`KVContext`, :class:`BackendContext`). It carries the config, the model
-entry, the plugin's validated ``Params``, its logger
+the implementing plugin, one class per shape (:mod:`mindie_host.context`:
+:class:`HostContext` for the lifecycle and request-parsing hooks,
+:class:`EngineContext` for the scheduling and KV-cache hooks,
+:class:`BackendContext` for the model-backend hooks). It carries the config
+(``ctx.config``), the model entry (``ctx.model``), the running host where there
+is one (``ctx.host``), the plugin's validated ``Params``, its logger
 (``mindie_host.plugins.<name>``) and its per-engine ``State``. The other
-arguments are what the hook is about. ``config``, ``model_config`` and ``host``
-are still passed where contract v1 passed them (they are the same objects as
-``ctx.config``, ``ctx.model`` and ``ctx.host``), so v1 plugins keep working;
-new plugins read them from ``ctx``.
+arguments are what the hook is about, never what ``ctx`` already carries.
 
-Implementations take any subset of a spec's arguments, so a spec that grows an
-argument never breaks an existing plugin.
+This is plugin contract 3 (:data:`mindie_host.api.CONTRACT_VERSION`). An
+implementation takes ``ctx`` and any subset of its spec's other arguments, so a
+spec that grows an argument never breaks an existing plugin; one that names an
+argument its spec does not have (contract 2's ``config``, ``model_config`` and
+``host``) is refused when its plugin is registered, with one message naming the
+plugin, the hook and the migration (docs/plugins.md, "Migrating to contract 3").
 """
 
 from __future__ import annotations
@@ -47,21 +50,13 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from .backends.base import LinearDeltas, ModelBackend, ModelInfo
-    from .config import Config, ModelConfig
-    from .context import (
-        BackendContext,
-        KVContext,
-        LifecycleContext,
-        RequestContext,
-        SchedulingContext,
-    )
+    from .context import BackendContext, EngineContext, HostContext
     from .engine.kv_cache import KVCacheManager
     from .engine.kv_transfer import KVConnector
     from .engine.policy import SchedulerState, StepPlan
     from .engine.request import EngineRequest, RequestOutput
     from .engine.sequence import SequenceView
     from .engine.speculation import DraftOutcome, DraftRequest, Drafts
-    from .host_protocol import Host
     from .models.architecture import Architecture
 
 hookspec = pluggy.HookspecMarker("mindie_host")
@@ -71,13 +66,15 @@ hookspec = pluggy.HookspecMarker("mindie_host")
 # lifecycle
 # ---------------------------------------------------------------------------------------------
 @hookspec
-def mindie_host_validate_config(ctx: LifecycleContext, config: Config, model_config: ModelConfig) -> list[str] | None:
+def mindie_host_validate_config(ctx: HostContext) -> list[str] | None:
     """Check this plugin's own settings before anything is loaded.
 
-    :param config: the whole parsed config (``config.Plugins.get(name)`` holds a
-        plugin's own section, ``model_config.plugin_options`` the extra keys of
-        ``plugin_params``).
-    :param model_config: the ``ModelConfig`` entry the plugin is enabled for.
+    ``ctx.config`` is the whole parsed config, ``ctx.model`` the ``ModelConfig``
+    entry being checked (called once per entry; ``ctx.model.plugin_options`` holds
+    the extra keys of ``plugin_params``), ``ctx.params`` the plugin's validated
+    ``Params`` (a plugin without ``Params`` reads ``ctx.config.Plugins.get(name)``
+    itself), and ``ctx.host`` is ``None``: nothing is loaded yet.
+
     :return: a list of error messages (each naming the key, the value given and
         the allowed range), or ``None``/``[]`` when the config is fine. Any error
         stops startup. Called for every enabled plugin; not firstresult.
@@ -85,29 +82,28 @@ def mindie_host_validate_config(ctx: LifecycleContext, config: Config, model_con
 
 
 @hookspec
-def mindie_host_startup(ctx: LifecycleContext, host: Host) -> None:
+def mindie_host_startup(ctx: HostContext) -> None:
     """Called once the model is loaded and the engine is built, before serving.
 
-    :param host: the running :class:`~mindie_host.host_protocol.Host` (config, tokenizer,
-        model info, engine statistics). Use it to load adapters, register
-        metrics, start background work. Not firstresult; return value ignored.
+    ``ctx.host`` is the running :class:`~mindie_host.host_protocol.Host` (config, tokenizer,
+    model info, engine statistics). Use it to load adapters, register
+    metrics, start background work. Not firstresult; return value ignored.
     """
 
 
 @hookspec
-def mindie_host_shutdown(ctx: LifecycleContext, host: Host) -> None:
+def mindie_host_shutdown(ctx: HostContext) -> None:
     """Called once when the server stops, after in-flight requests have drained.
 
-    :param host: the same object passed to :func:`mindie_host_startup`.
+    ``ctx.host`` is the same host :func:`mindie_host_startup` saw.
     Not firstresult; return value ignored.
     """
 
 
 @hookspec
-def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] | None:
-    """Contribute gauges to the JSON metrics and the Prometheus exporter.
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
+    """Contribute gauges to the JSON metrics and the Prometheus exporter (``ctx.host``: the running host).
 
-    :param host: the running host.
     :return: a mapping of metric name to value (e.g.
         ``{"npu_prefix_cache_hit_rate": 0.42}``), or ``None``. Called on every
         metrics scrape for every plugin; results are merged. Not firstresult.
@@ -115,7 +111,7 @@ def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] |
 
 
 @hookspec
-def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+def mindie_host_step_outputs(ctx: HostContext, outputs: list[RequestOutput]) -> None:
     """Observe the outputs of one engine step, in the front end, before they reach their clients.
 
     :param outputs: one :class:`~mindie_host.engine.request.RequestOutput` per
@@ -128,7 +124,7 @@ def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]
 
 
 @hookspec(firstresult=True)
-def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str, payload: Any) -> Any | None:
+def mindie_host_engine_command(ctx: HostContext, target: str, command: str, payload: Any) -> Any | None:
     """Run one of a plugin's own commands where the engine lives, between two steps.
 
     The front end asks with ``await host.engine_command(target, command, payload)``
@@ -149,7 +145,7 @@ def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str,
 
 
 @hookspec
-def mindie_host_engine_restarted(ctx: LifecycleContext, host: Host) -> None:
+def mindie_host_engine_restarted(ctx: HostContext) -> None:
     """Called in the front end when the supervisor has brought a dead engine process back.
 
     The new engine process was built from ``config.json`` alone: state that
@@ -163,11 +159,11 @@ def mindie_host_engine_restarted(ctx: LifecycleContext, host: Host) -> None:
 # request parsing
 # ---------------------------------------------------------------------------------------------
 @hookspec
-def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, host: Host, plane: str) -> None:
-    """Register HTTP routes for a protocol.
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    """Register HTTP routes for a protocol (``ctx.host``: the running host; protocol modules call
+    ``ctx.host.generate(...)``).
 
     :param app: the FastAPI application of one plane.
-    :param host: the running host; protocol modules call ``host.generate(...)``.
     :param plane: ``"business"`` (inference port), ``"management"``
         (management port) or ``"metrics"`` (``metricsPort``: Prometheus
         ``/metrics``). Each builtin protocol module (openai, tgi, vllm,
@@ -176,7 +172,7 @@ def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, host: Host, plane:
 
 
 @hookspec
-def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any], protocol: str, host: Host) -> None:
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any], protocol: str) -> None:
     """Adjust an engine request after a protocol module has parsed it.
 
     :param request: the :class:`~mindie_host.engine.request.EngineRequest`,
@@ -192,14 +188,13 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
         hash of every block overlapping the span, e.g. an image's content hash).
     :param body: the raw JSON body as received.
     :param protocol: ``"openai"``, ``"tgi"``, ``"vllm"``, ``"triton"`` or ``"native"``.
-    :param host: the running host.
     :raises mindie_host.api.RequestError: to refuse the request with a 4xx that
         names the field. Called for every plugin; not firstresult.
     """
 
 
 @hookspec
-def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> None:
+def mindie_host_request_arrived(ctx: HostContext, request: EngineRequest) -> None:
     """Called when the engine accepts a request into its waiting queue, before any step runs it.
 
     :param request: the request as the engine will run it: with ``engineProcess``
@@ -213,7 +208,7 @@ def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> 
 
 
 @hookspec
-def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest, reason: str) -> None:
+def mindie_host_request_finished(ctx: HostContext, request: EngineRequest, reason: str) -> None:
     """Called when a request leaves the engine, whatever the cause.
 
     :param request: the request as the engine ran it (``variant``,
@@ -226,11 +221,11 @@ def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest, re
 
 
 @hookspec(firstresult=True)
-def mindie_host_tool_call_parser(ctx: RequestContext, model_type: str, host: Host) -> Any | None:
-    """Provide the tool-call parser for a model family.
+def mindie_host_tool_call_parser(ctx: HostContext, model_type: str) -> Any | None:
+    """Provide the tool-call parser for a model family (``ctx.host``: the running host, whose tokenizer
+    carries the chat template).
 
     :param model_type: the model's family (``"llama"``, ``"qwen2"``, ...).
-    :param host: the running host.
     :return: an object with ``parse(text) -> list[dict] | None`` turning generated
         text into OpenAI ``tool_calls``; ``None`` to let another plugin answer.
         It may also have ``content(text) -> str`` (text left beside the calls) and
@@ -245,11 +240,11 @@ def mindie_host_tool_call_parser(ctx: RequestContext, model_type: str, host: Hos
 
 
 @hookspec(firstresult=True)
-def mindie_host_reasoning_parser(ctx: RequestContext, model_type: str, host: Host) -> Any | None:
-    """Provide the reasoning parser for a model family.
+def mindie_host_reasoning_parser(ctx: HostContext, model_type: str) -> Any | None:
+    """Provide the reasoning parser for a model family (``ctx.host``: the running host, whose tokenizer
+    carries the chat template).
 
     :param model_type: the model's family (``"qwen3"``, ``"deepseek_v3"``, ...).
-    :param host: the running host (its tokenizer carries the chat template).
     :return: a :class:`mindie_host.api.ReasoningParser` (subclass it to change the
         ``start``/``end`` tags or how an answer splits) whose reasoning the OpenAI chat
         endpoint returns as ``reasoning_content`` and whose content it parses for tool
@@ -261,7 +256,7 @@ def mindie_host_reasoning_parser(ctx: RequestContext, model_type: str, host: Hos
 
 
 @hookspec
-def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
+def mindie_host_served_models(ctx: HostContext) -> list[str] | None:
     """Names besides the base model that requests may put in ``model`` (listed by ``/v1/models``).
 
     :return: the names this plugin serves (``multi_lora``: its adapters), or ``None``.
@@ -274,13 +269,12 @@ def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
 # scheduling policy
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
-    """Order the waiting queue: the first sequence is admitted first.
+def mindie_host_order_waiting(ctx: EngineContext, waiting: list[SequenceView], now: float) -> list[SequenceView] | None:
+    """Order the waiting queue: the first sequence is admitted first (``ctx.config.schedule`` holds
+    ``prefillPolicyType``, ``policyType`` ...).
 
     :param waiting: sequences not yet admitted (new, or preempted and waiting to
         be recomputed). Do not mutate them.
-    :param config: the whole config (``config.schedule.prefillPolicyType``,
-        ``policyType`` ...).
     :param now: ``time.monotonic()`` of this step.
     :return: the same sequences in admission order, or ``None`` to defer to the
         next implementation. firstresult; the builtin honours
@@ -290,8 +284,9 @@ def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView
 
 
 @hookspec(firstresult=True)
-def mindie_host_order_running(ctx: SchedulingContext, running: list[SequenceView], config: Config, now: float) -> list[SequenceView] | None:
-    """Order the running batch (the sequences holding KV blocks) for this step.
+def mindie_host_order_running(ctx: EngineContext, running: list[SequenceView], now: float) -> list[SequenceView] | None:
+    """Order the running batch (the sequences holding KV blocks) for this step (``ctx.config.schedule`` holds
+    ``decodePolicyType``, ``policyType`` ...).
 
     The planner sees them in this order: with more running than ``maxBatchSize``
     the first decode, blocks for growing go to them first, and the preemption
@@ -299,7 +294,6 @@ def mindie_host_order_running(ctx: SchedulingContext, running: list[SequenceView
 
     :param running: the running sequences, in the order of the last step (admission
         order at first). Do not mutate them.
-    :param config: the whole config (``config.schedule.decodePolicyType`` ...).
     :param now: ``time.monotonic()`` of this step.
     :return: the same sequences in order, or ``None`` to defer. firstresult; the
         builtin honours ``decodePolicyType`` (0 FCFS keeps the admission order, 1 STATE,
@@ -308,7 +302,7 @@ def mindie_host_order_running(ctx: SchedulingContext, running: list[SequenceView
 
 
 @hookspec
-def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
+def mindie_host_filter_waiting(ctx: EngineContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
     """Hold back waiting sequences that cannot run yet.
 
     :param waiting: the ordered waiting queue of this step (do not mutate the
@@ -324,7 +318,7 @@ def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceVie
 
 
 @hookspec(firstresult=True)
-def mindie_host_plan_step(ctx: SchedulingContext, state: SchedulerState) -> StepPlan | None:
+def mindie_host_plan_step(ctx: EngineContext, state: SchedulerState) -> StepPlan | None:
     """Build one step's batch.
 
     :param state: a :class:`~mindie_host.engine.policy.SchedulerState` with the
@@ -339,7 +333,7 @@ def mindie_host_plan_step(ctx: SchedulingContext, state: SchedulerState) -> Step
 
 
 @hookspec(firstresult=True)
-def mindie_host_preemption_victim(ctx: SchedulingContext, running: list[SequenceView],
+def mindie_host_preemption_victim(ctx: EngineContext, running: list[SequenceView],
                                   needed_by: SequenceView) -> SequenceView | None:
     """Choose the running sequence that gives its KV blocks back when the pool runs dry.
 
@@ -357,7 +351,7 @@ def mindie_host_preemption_victim(ctx: SchedulingContext, running: list[Sequence
 
 
 @hookspec(firstresult=True)
-def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
+def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
     """Propose draft tokens for the decoding sequences of one step (speculative decoding).
 
     :param seqs: one :class:`~mindie_host.engine.speculation.DraftRequest` per sequence that
@@ -376,7 +370,7 @@ def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest])
 
 
 @hookspec
-def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutcome]) -> None:
+def mindie_host_drafts_accepted(ctx: EngineContext, outcomes: list[DraftOutcome]) -> None:
     """Hear what became of the drafts of one step, to roll the proposer's own state back.
 
     :param outcomes: one :class:`~mindie_host.engine.speculation.DraftOutcome` per sequence
@@ -391,12 +385,11 @@ def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutc
 # KV-cache management
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int, config: Config) -> KVCacheManager | None:
+def mindie_host_kv_cache_manager(ctx: EngineContext, num_blocks: int, block_size: int) -> KVCacheManager | None:
     """Create the KV-cache block manager.
 
     :param num_blocks: blocks that fit the memory budget.
     :param block_size: tokens per block (``cacheBlockSize``).
-    :param config: the whole config.
     :return: a :class:`~mindie_host.engine.kv_cache.KVCacheManager` (or subclass:
         ``prefix_cache`` returns one that shares blocks by chained hash), or
         ``None`` to defer. firstresult.
@@ -404,7 +397,7 @@ def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: in
 
 
 @hookspec(firstresult=True)
-def mindie_host_kv_connector(ctx: KVContext, config: Config) -> KVConnector | None:
+def mindie_host_kv_connector(ctx: EngineContext) -> KVConnector | None:
     """Create the transport that moves KV blocks between prefill and decode instances.
 
     Called once per engine (in the engine process), only when ``ServerConfig.inferMode`` is
@@ -413,7 +406,8 @@ def mindie_host_kv_connector(ctx: KVContext, config: Config) -> KVConnector | No
     D instance; the contract, and what "never applied in part" means, is
     :class:`~mindie_host.engine.kv_transfer.KVConnector`.
 
-    :param config: the whole config (``ServerConfig.ipAddress`` is where peers reach this instance).
+    ``ctx.config.server.ipAddress`` is where peers reach this instance.
+
     :return: a :class:`~mindie_host.engine.kv_transfer.KVConnector`, or ``None`` to defer (the host's
         builtin TCP connector answers last). firstresult.
     """
@@ -423,12 +417,11 @@ def mindie_host_kv_connector(ctx: KVContext, config: Config) -> KVConnector | No
 # model backend
 # ---------------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mindie_host_model_backend(ctx: BackendContext, backend_type: str, model_config: ModelConfig, config: Config) -> ModelBackend | None:
-    """Create the model runner for a ``backendType``.
+def mindie_host_model_backend(ctx: BackendContext, backend_type: str) -> ModelBackend | None:
+    """Create the model runner for a ``backendType`` (``ctx.model``: the model entry, with the weights
+    path, dtype, device and memory budgets; ``ctx.config``: the whole config).
 
     :param backend_type: ``ModelConfig.backendType`` (``"torch"``, ``"ms"``, ``"atb"`` ...).
-    :param model_config: the model entry (weights path, dtype, device, memory budgets).
-    :param config: the whole config.
     :return: an unloaded :class:`~mindie_host.backends.base.ModelBackend` if this
         plugin serves ``backend_type``, else ``None``. Raise ``RuntimeError``
         with an install hint if the type is yours but a dependency is missing.

@@ -80,7 +80,7 @@ class Host:
         self.ready = False
         if self.engine is not None:
             self.engine.stop()
-        self.plugins.hook.mindie_host_shutdown(host=self)
+        self.plugins.hook.mindie_host_shutdown()
         for release in self.teardown:
             release()
         self.teardown = []
@@ -129,7 +129,7 @@ class Host:
     def plugin_metrics(self) -> dict[str, float]:
         """Every plugin's ``mindie_host_metrics``: this process's, and those the engine process sent with its last step."""
         metrics: dict[str, float] = dict(getattr(self.engine, "engine_plugin_metrics", None) or {})
-        for extra in self.plugins.hook.mindie_host_metrics(host=self):
+        for extra in self.plugins.hook.mindie_host_metrics():
             metrics.update(extra or {})
         return metrics
 
@@ -200,7 +200,7 @@ class Host:
             priority=priority,
             timeout=timeout,
         )
-        self.plugins.hook.mindie_host_refine_request(request=req, body=body, protocol=protocol, host=self)
+        self.plugins.hook.mindie_host_refine_request(request=req, body=body, protocol=protocol)
         call = current_call.get()
         if call is not None:  # one half of a PD-disaggregated request: refuse what dmi mode cannot serve
             call.check(req, body)

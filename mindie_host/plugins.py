@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -80,8 +81,21 @@ KNOWN_ARCHITECTURES: dict[str, str] = {
 }
 
 
+#: The plugin contract this host speaks (exported as ``mindie_host.api.CONTRACT_VERSION``; docs/plugins.md says
+#: what changed in each version).
+CONTRACT_VERSION = 3
+#: Where a plugin author reads how to move a plugin to this contract.
+MIGRATION_DOC = "docs/plugins.md, 'Migrating to contract 3'"
+#: Contract 2's arguments that duplicated ``ctx``, and where contract 3 carries them.
+V2_ARGUMENTS: dict[str, str] = {
+    "config": "read ctx.config",
+    "model_config": "read ctx.model",
+    "host": "read ctx.host",
+}
+
+
 class PluginError(RuntimeError):
-    """An enabled plugin is missing, fails to import, or rejects its config."""
+    """An enabled plugin is missing, fails to import, was written for an older contract, or rejects its config."""
 
 
 @dataclass
@@ -166,13 +180,45 @@ def install_hint(name: str) -> str:
     return f"install a package that declares entry point {name!r} in group {ENTRY_POINT_GROUP!r}"
 
 
+def contract_mismatches(plugin: object) -> list[str]:
+    """What in ``plugin`` was written for an older plugin contract: one line per implementation that names an
+    argument its hook spec does not have (contract 2's ``config``, ``model_config`` and ``host`` above all).
+
+    Hooks without a spec are left to pluggy's own check (an unknown hook fails when plugins are enabled)."""
+    problems: list[str] = []
+    for attr in dir(plugin):
+        spec = getattr(hookspecs, attr, None) if attr.startswith("mindie_host_") else None
+        function = getattr(plugin, attr, None)
+        if spec is None or not hasattr(function, "mindie_host_impl"):
+            continue
+        allowed = set(inspect.signature(spec).parameters)
+        extra = [a for a in _argument_names(function) if a not in allowed]
+        if extra:
+            now = ", ".join(V2_ARGUMENTS.get(a, f"no argument {a!r}") for a in extra)
+            problems.append(f"{attr} takes {', '.join(extra)} ({now})")
+    return problems
+
+
+def _argument_names(function: Any) -> list[str]:
+    """The arguments pluggy would pass ``function`` (a bound method's ``self`` and defaulted ones aside)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # not introspectable: pluggy says what it makes of it
+        return []
+    names = [p.name for p in parameters
+             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[1:] if names[:1] == ["self"] else names  # a class's function, as pluggy reads it
+
+
 class ContextPluginManager(pluggy.PluginManager):
     """pluggy's manager, handing each implementation that names ``ctx`` the context of its own plugin.
 
     Calls keep pluggy's semantics (order, ``tryfirst``/``trylast``, wrappers,
-    firstresult). On registration every implementation that takes ``ctx`` is
-    wrapped once: the wrapper looks the context up (:meth:`PluginHost.context`)
-    and passes it with the other arguments the implementation names.
+    firstresult). A plugin written for an older contract is refused before pluggy
+    sees it (:func:`contract_mismatches`, one :class:`PluginError`). On registration
+    every implementation that takes ``ctx`` is wrapped once: the wrapper looks the
+    context up (:meth:`PluginHost.context`) and passes it with the other arguments
+    the implementation names.
     """
 
     def __init__(self, owner: PluginHost) -> None:
@@ -180,6 +226,13 @@ class ContextPluginManager(pluggy.PluginManager):
         self._owner = owner
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
+        problems = contract_mismatches(plugin)
+        if problems:
+            raise PluginError(
+                f"plugin {name or self.get_canonical_name(plugin)!r} was written for an older plugin contract "
+                f"(this host speaks contract {CONTRACT_VERSION}): " + "; ".join(problems)
+                + f"; see {MIGRATION_DOC}"
+            )
         plugin_name = super().register(plugin, name)
         if plugin_name is not None:
             for caller in self.get_hookcallers(plugin) or []:
@@ -260,7 +313,7 @@ class PluginHost:
 
     @property
     def hook(self) -> ContextHookRelay:
-        """Call a hook: ``plugins.hook.mindie_host_startup(host=host)``; each implementation gets its ``ctx``."""
+        """Call a hook: ``plugins.hook.mindie_host_plan_step(state=state)``; each implementation gets its ``ctx``."""
         return self._relay
 
     def call_observers(self, name: str, **kwargs: Any) -> None:
@@ -435,15 +488,22 @@ class PluginHost:
             else:
                 self._params[name] = value
         model = self._model
-        for entry in config.BackendConfig.ModelDeployConfig.ModelConfig:
-            self.bind(config, entry, self._host)
-            # each plugin's own checks too (all problems in one report), except where its Params were rejected
-            for impl in reversed(self.pm.hook.mindie_host_validate_config.get_hookimpls()):
-                if impl.plugin_name in rejected and hasattr(impl.function, "__wrapped__"):
-                    continue  # it takes ctx, whose params were rejected
-                kwargs = {"config": config, "model_config": entry}
-                errors.extend(impl.function(*[kwargs[arg] for arg in impl.argnames]) or [])
-        self.bind(config, model, self._host)
+        # each plugin's own checks too, all problems in one report: one whose Params were rejected is checked with
+        # ctx.params None, and a check of its that needs them is skipped (the rejection is reported already)
+        self._params.update(dict.fromkeys(rejected))
+        try:
+            for entry in config.BackendConfig.ModelDeployConfig.ModelConfig:
+                self.bind(config, entry, self._host)
+                for impl in reversed(self.pm.hook.mindie_host_validate_config.get_hookimpls()):
+                    try:
+                        errors.extend(impl.function() or [])  # its ctx carries the config and the entry
+                    except Exception:
+                        if impl.plugin_name not in rejected:
+                            raise
+        finally:
+            for name in rejected:
+                self._params.pop(name, None)
+            self.bind(config, model, self._host)
         return errors
 
     def backend_types(self) -> list[str]:

@@ -403,7 +403,7 @@ class CopyProposer:
         self.calls = 0
 
     @hookimpl
-    def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+    def mindie_host_propose_drafts(self, ctx: Any, seqs: list[DraftRequest]) -> list[Drafts | None]:
         """Up to ``k`` tokens of each sequence's reference after what it has written, some corrupted."""
         from .api import Drafts
 
@@ -420,7 +420,7 @@ class CopyProposer:
         return out
 
     @hookimpl
-    def mindie_host_drafts_accepted(self, outcomes: list[DraftOutcome]) -> None:
+    def mindie_host_drafts_accepted(self, ctx: Any, outcomes: list[DraftOutcome]) -> None:
         """Keep the step's outcomes for the test."""
         self.outcomes.extend(outcomes)
 

@@ -8,8 +8,8 @@ import sys
 
 import mindie_host.api as api
 
-NEEDED = {"Config", "ModelConfig", "Host", "hookimpl", "PluginContext", "LifecycleContext", "RequestContext",
-          "SchedulingContext", "KVContext", "BackendContext", "BlockPool", "KVCacheManager", "EngineRequest",
+NEEDED = {"Config", "ModelConfig", "Host", "hookimpl", "PluginContext", "HostContext", "EngineContext",
+          "BackendContext", "CONTRACT_VERSION", "BlockPool", "KVCacheManager", "EngineRequest",
           "SequenceView", "StepPlan", "ModelBackend", "LinearDeltas", "RequestError"}
 
 

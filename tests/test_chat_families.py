@@ -100,9 +100,10 @@ class ForceText:
         self.prompts: list[str] = []
 
     @hookimpl
-    def mindie_host_refine_request(self, request, body, protocol, host):
+    def mindie_host_refine_request(self, ctx, request, body, protocol):
         self.prompts.append(request.prompt or "")
         if self.text is not None and protocol == "openai":
+            host = ctx.host
             ids = host.tokenizer.encode(self.text, add_special_tokens=False)
             request.logits_constraint = ForcedTokens(ids, list(host.info.eos_token_ids))
 
@@ -279,11 +280,11 @@ class FamilyPlugin:
     """A plugin giving the model family its own reasoning and tool-call parsers."""
 
     @hookimpl
-    def mindie_host_reasoning_parser(self, model_type, host):
+    def mindie_host_reasoning_parser(self, ctx, model_type):
         return BracketReasoning()
 
     @hookimpl
-    def mindie_host_tool_call_parser(self, model_type, host):
+    def mindie_host_tool_call_parser(self, ctx, model_type):
         return AlwaysCallParser()
 
 

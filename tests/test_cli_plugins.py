@@ -62,7 +62,7 @@ def test_plugins_command_lists_builtin() -> None:
 def test_hookimpl_without_spec_fails_loudly() -> None:
     class Typo:
         @hookimpl
-        def mindie_host_plan_stepp(self, state):  # misspelt hook name
+        def mindie_host_plan_stepp(self, ctx, state):  # misspelt hook name
             return None
 
     host = PluginHost()
@@ -78,7 +78,7 @@ def test_enabled_plugin_wins_over_builtin(tiny_model: Path) -> None:
 
     class LastComeFirst:
         @hookimpl
-        def mindie_host_order_waiting(self, waiting, config, now):
+        def mindie_host_order_waiting(self, ctx, waiting):
             return list(reversed(order_fcfs(waiting)))
 
     host = loaded_host(server_config(tiny_model, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1}),
@@ -125,3 +125,74 @@ def test_config_validate_checks_plugin_params(tmp_path: Path) -> None:
     (tmp_path / "c.json").write_text(json.dumps(data))
     r = cli("config", "validate", str(tmp_path / "c.json"))
     assert r.returncode == 0, r.stdout
+
+
+OLD_FORM_PLUGIN = '''
+from mindie_host import hookimpl
+
+
+@hookimpl
+def mindie_host_validate_config(config, model_config):
+    return []
+
+
+@hookimpl
+def mindie_host_startup(ctx, host):
+    host.model_name
+'''
+
+RENAMED_CONTEXT_PLUGIN = '''
+from mindie_host.api import SchedulingContext, hookimpl
+
+
+@hookimpl
+def mindie_host_plan_step(ctx: SchedulingContext, state):
+    return None
+'''
+
+
+def _install_in(site: Path, name: str, source: str) -> None:
+    """A real plugin distribution in ``site`` (its module and its dist-info with the entry point), found by entry
+    points when ``site`` is on the path."""
+    (site / f"{name}.py").write_text(source)
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[mindie_host.plugins]\n{name} = {name}\n")
+
+
+def test_a_plugin_written_for_contract_2_fails_at_load_with_one_message(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed plugin whose hooks take contract 2's config/model_config/host is refused when it is enabled:
+    one error naming the plugin, each hook, what replaces the argument and the migration section, no traceback;
+    one that imports a context class contract 3 renamed is refused the same way."""
+    import os
+
+    site = tmp_path / "site"
+    site.mkdir()
+    _install_in(site, "old_form", OLD_FORM_PLUGIN)
+    _install_in(site, "renamed_ctx", RENAMED_CONTEXT_PLUGIN)
+    data = default_config_dict()
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = json.dumps(
+        {"plugin_type": "old_form"})
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "mindie_host.cli", "config", "validate", str(tmp_path / "c.json")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    errors = [line for line in r.stdout.splitlines() if line.startswith("error")]
+    assert errors == [
+        "error: plugin 'old_form' was written for an older plugin contract (this host speaks contract 3): "
+        "mindie_host_startup takes host (read ctx.host); mindie_host_validate_config takes config, model_config "
+        "(read ctx.config, read ctx.model); see docs/plugins.md, 'Migrating to contract 3'"
+    ], r.stdout
+    assert "Traceback" not in r.stdout + r.stderr and "pluggy" not in r.stdout + r.stderr
+
+    monkeypatch.syspath_prepend(str(site))
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = json.dumps(
+        {"plugin_type": "renamed_ctx"})
+    with pytest.raises(PluginError) as caught:
+        PluginHost().enable_from_config(config_from_dict(data))
+    assert str(caught.value) == (
+        "plugin 'renamed_ctx' (renamed_ctx) failed to import: mindie_host.api.SchedulingContext is EngineContext "
+        "since plugin contract 3 (one context class per shape); see docs/plugins.md, 'Migrating to contract 3'")

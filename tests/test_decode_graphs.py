@@ -29,7 +29,8 @@ class BucketedBackend:
         self.dtype = dtype
 
     @hookimpl
-    def mindie_host_model_backend(self, backend_type: str, model_config: Any, config: Any) -> TorchBackend | None:
+    def mindie_host_model_backend(self, ctx: Any, backend_type: str) -> TorchBackend | None:
+        model_config = ctx.model
         return TorchBackend(
             resolve_model(model_config.modelWeightPath), name=model_config.modelName, dtype=self.dtype,
             decode_graphs=True, platform=select_platform(self.device),

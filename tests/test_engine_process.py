@@ -148,11 +148,12 @@ class HookPlaces:
             f.write(f"{what} {os.getpid()}\n")
 
     @hookimpl
-    def mindie_host_kv_cache_manager(self, num_blocks: int, block_size: int, config: Any) -> None:
+    def mindie_host_kv_cache_manager(self, ctx: Any, num_blocks: int, block_size: int) -> None:
         self._note("kv")
 
     @hookimpl
-    def mindie_host_startup(self, host: Any) -> None:
+    def mindie_host_startup(self, ctx: Any) -> None:
+        host = ctx.host
         self._note(f"startup-backend={host.backend is not None}")
         if host.backend is None:
             raise RuntimeError("this plugin shares an object with the model backend")

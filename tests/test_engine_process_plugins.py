@@ -35,7 +35,7 @@ class Probe:
     """Engine commands and arrival checks, as a plugin that keeps state beside the model would."""
 
     @hookimpl
-    def mindie_host_engine_command(self, target: str, command: str, payload: Any) -> Any:
+    def mindie_host_engine_command(self, ctx: Any, target: str, command: str, payload: Any) -> Any:
         if target != PLUGIN:
             return None
         if command == "where":
@@ -47,7 +47,7 @@ class Probe:
         return None  # unknown command: nobody answers
 
     @hookimpl
-    def mindie_host_refine_request(self, request: EngineRequest, body: dict[str, Any]) -> None:
+    def mindie_host_refine_request(self, ctx: Any, request: EngineRequest, body: dict[str, Any]) -> None:
         mark = body.get("user")
         if mark:
             request.extensions[PLUGIN] = mark
@@ -55,7 +55,7 @@ class Probe:
             request.logits_constraint = _Boom()
 
     @hookimpl
-    def mindie_host_request_arrived(self, request: EngineRequest) -> None:
+    def mindie_host_request_arrived(self, ctx: Any, request: EngineRequest) -> None:
         if request.extensions.get(PLUGIN) == "refuse-me":
             raise RequestError("probe refused this request in the engine", status=409)
 

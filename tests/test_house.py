@@ -282,6 +282,36 @@ def long_files() -> list[str]:
     ]
 
 
+def hook_signatures_off_contract() -> list[str]:
+    """``file:line hook(args)`` for every hook implementation in the tree (the host's builtins, the plugins, the
+    examples, the tests' plugins) that does not take ``ctx`` first or names an argument its spec lacks: one
+    contract version, and the builtins teach it (docs/plugins.md, 'Migrating to contract 3')."""
+    specs = {
+        node.name: {a.arg for a in node.args.args}
+        for node in ast.parse((ROOT / "mindie_host/hookspecs.py").read_text()).body
+        if isinstance(node, ast.FunctionDef)
+    }
+    paths = [*ROOT.glob("mindie_host/**/*.py"), *ROOT.glob("plugins/**/*.py"), *ROOT.glob("examples/**/*.py"),
+             *ROOT.glob("tests/**/*.py")]
+    found = []
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.name.startswith("mindie_host_"):
+                continue
+            if not any("hookimpl" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            args = [a.arg for a in node.args.args]
+            args = args[1:] if args[:1] == ["self"] else args
+            unknown = [a for a in args if node.name in specs and a not in specs[node.name]]
+            if args[:1] != ["ctx"] or unknown:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(args)})")
+    return found
+
+
+def test_every_hook_implementation_takes_ctx_first_and_nothing_it_carries() -> None:
+    assert hook_signatures_off_contract() == []
+
+
 def test_plugins_their_tests_and_the_examples_import_only_the_public_surface() -> None:
     assert private_imports() == []
 
@@ -305,3 +335,5 @@ if __name__ == "__main__":
         print("private import:", line)
     for line in long_files():
         print("long file:", line)
+    for line in hook_signatures_off_contract():
+        print("hook off contract 3:", line)

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mindie_host import hookimpl
+from mindie_host.api import HostContext
 from mindie_host.config import LogConfig, config_from_dict
 from mindie_host.host import Host
 from mindie_host.logs import setup_logging
@@ -104,7 +105,7 @@ class _BlockStartup:
         self.release = threading.Event()
 
     @hookimpl
-    def mindie_host_startup(self, host: Host) -> None:
+    def mindie_host_startup(self, ctx: HostContext) -> None:
         self.release.wait(120)
 
 
@@ -258,7 +259,7 @@ def test_model_label_joins_several_models(tiny_model: Path) -> None:
 
 class _PluginGauge:
     @hookimpl
-    def mindie_host_metrics(self, host: Host) -> dict[str, float]:
+    def mindie_host_metrics(self, ctx: HostContext) -> dict[str, float]:
         return {"npu_prefix_cache_hit_rate": 0.25, "my_plugin_gauge": 7.0}
 
 

@@ -16,11 +16,9 @@ import pydantic
 import pytest
 
 from mindie_host.api import (
-    KVContext,
-    LifecycleContext,
+    EngineContext,
+    HostContext,
     PluginContext,
-    RequestContext,
-    SchedulingContext,
     hookimpl,
 )
 from mindie_host.plugins import PluginError
@@ -46,29 +44,29 @@ class Recorder:
             self.refined: list[str] = []
 
     @hookimpl
-    def mindie_host_startup(self, ctx: LifecycleContext) -> None:
+    def mindie_host_startup(self, ctx: HostContext) -> None:
         ctx.state.seen.append(ctx)
 
     @hookimpl
-    def mindie_host_refine_request(self, ctx: RequestContext, request: Any) -> None:
+    def mindie_host_refine_request(self, ctx: HostContext, request: Any) -> None:
         ctx.state.seen.append(ctx)
         ctx.state.refined.append(request.request_id)
 
     @hookimpl
-    def mindie_host_filter_waiting(self, ctx: SchedulingContext, waiting: list[Any]) -> None:
-        if not any(isinstance(c, SchedulingContext) for c in ctx.state.seen):
+    def mindie_host_filter_waiting(self, ctx: EngineContext, waiting: list[Any]) -> None:
+        if not any(isinstance(c, EngineContext) for c in ctx.state.seen):
             ctx.state.seen.append(ctx)
 
     @hookimpl
-    def mindie_host_kv_cache_manager(self, ctx: KVContext) -> None:
+    def mindie_host_kv_cache_manager(self, ctx: EngineContext) -> None:
         ctx.state.seen.append(ctx)
 
     @hookimpl
-    def mindie_host_step_outputs(self, ctx: LifecycleContext, outputs: list[Any]) -> None:
+    def mindie_host_step_outputs(self, ctx: HostContext, outputs: list[Any]) -> None:
         ctx.state.steps += 1
 
     @hookimpl
-    def mindie_host_metrics(self, ctx: LifecycleContext) -> dict[str, float]:
+    def mindie_host_metrics(self, ctx: HostContext) -> dict[str, float]:
         return {"recorder_steps": float(ctx.state.steps), "recorder_limit": float(ctx.params.limit)}
 
 
@@ -84,7 +82,7 @@ def test_each_hook_gets_a_typed_context_with_params_state_and_logger(tiny_model:
         state = server.host.plugins.state("recorder", plugin)
         metrics = server.host.stats()
     kinds = {type(c) for c in state.seen}
-    assert {LifecycleContext, RequestContext, SchedulingContext, KVContext} <= kinds
+    assert {HostContext, HostContext, EngineContext, EngineContext} <= kinds
     for ctx in state.seen:
         assert dataclasses.is_dataclass(ctx)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -95,7 +93,7 @@ def test_each_hook_gets_a_typed_context_with_params_state_and_logger(tiny_model:
         assert ctx.log.name == "mindie_host.plugins.recorder"
         assert ctx.model is server.host.model_config
         assert ctx.config is server.host.config
-    startup = next(c for c in state.seen if isinstance(c, LifecycleContext))
+    startup = next(c for c in state.seen if isinstance(c, HostContext))
     assert startup.host is server.host
     assert len(state.refined) == 1
     assert state.steps >= 3  # mindie_host_step_outputs saw every step of the request
@@ -114,7 +112,7 @@ class DataclassPlugin:
     Params = DataclassParams
 
     @hookimpl
-    def mindie_host_startup(self, ctx: LifecycleContext) -> None:
+    def mindie_host_startup(self, ctx: HostContext) -> None:
         self.params = ctx.params
 
 
@@ -145,7 +143,7 @@ def test_dataclass_params_are_validated_into_the_dataclass(tiny_model: Path) -> 
 
 class NoParams:
     @hookimpl
-    def mindie_host_startup(self, ctx: LifecycleContext) -> None:
+    def mindie_host_startup(self, ctx: HostContext) -> None:
         assert ctx.params is None and ctx.state is None
 
 
@@ -163,7 +161,7 @@ def test_a_section_for_a_plugin_that_is_not_enabled_is_refused(tiny_model: Path)
 
 class Exploding:
     @hookimpl
-    def mindie_host_step_outputs(self, ctx: LifecycleContext, outputs: list[Any]) -> None:
+    def mindie_host_step_outputs(self, ctx: HostContext, outputs: list[Any]) -> None:
         raise RuntimeError("observer bug")
 
 
@@ -183,7 +181,7 @@ class WrapperWithContext:
             self.plans = 0
 
     @hookimpl(wrapper=True)
-    def mindie_host_plan_step(self, ctx: SchedulingContext, state: Any) -> Any:
+    def mindie_host_plan_step(self, ctx: EngineContext, state: Any) -> Any:
         plan = yield
         if plan and plan.scheduled:
             ctx.state.plans += 1

@@ -44,7 +44,7 @@ def config_with(**schedule: object):
 def order_waiting(waiting: list[Sequence], **schedule: object) -> list[int]:
     plugins = PluginHost()
     plugins.bind(config_with(**schedule))
-    ordered = plugins.hook.mindie_host_order_waiting(waiting=waiting, config=plugins._config, now=0.0)
+    ordered = plugins.hook.mindie_host_order_waiting(waiting=waiting, now=0.0)
     return [s.seq_id for s in ordered]
 
 

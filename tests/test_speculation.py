@@ -86,7 +86,7 @@ def test_random_drafts_stop_strings_and_max_tokens(host: Any, reference: dict[st
 
     class RandomProposer:
         @hookimpl
-        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+        def mindie_host_propose_drafts(self, ctx: Any, seqs: list[DraftRequest]) -> list[Drafts | None]:
             return [Drafts([rng.randrange(1000) for _ in range(s.max_drafts)]) for s in seqs]
 
     got = run_with_plugin(host, RandomProposer(), requests(host, max_tokens=7))
@@ -232,7 +232,7 @@ def test_speculator_refuses_malformed_drafts(host: Any) -> None:
 
     class Bad:
         @hookimpl
-        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+        def mindie_host_propose_drafts(self, ctx: Any, seqs: list[DraftRequest]) -> list[Drafts | None]:
             return [Drafts([10**9])] * len(seqs)
 
     reqs = requests(host, "m", max_tokens=5)[:1]
@@ -250,7 +250,7 @@ def test_a_constraint_that_cannot_fork_is_not_offered(host: Any) -> None:
 
     class Recorder:
         @hookimpl
-        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+        def mindie_host_propose_drafts(self, ctx: Any, seqs: list[DraftRequest]) -> list[Drafts | None]:
             offered.update(s.request_id for s in seqs)
             return [Drafts([1, 2]) for _ in seqs]
 
@@ -301,7 +301,7 @@ def test_constrained_drafts_are_cut_at_the_grammar_and_verified_under_its_mask(h
 
     class Refused:
         @hookimpl
-        def mindie_host_propose_drafts(self, seqs: list[DraftRequest]) -> list[Drafts | None]:
+        def mindie_host_propose_drafts(self, ctx: Any, seqs: list[DraftRequest]) -> list[Drafts | None]:
             return [Drafts([eos, eos]) if len(s.token_ids) == s.prompt_len + 1 else None for s in seqs]
 
     before_drafts = host.llm.counters["spec_draft_tokens"]

@@ -14,6 +14,9 @@ the same firstresult hook takes precedence. What each ``ScheduleConfig`` value d
 * ``policyType`` (§7.6) replaces the admission order: 4 shortest job first, 5 longest job first;
   6 Skip-Join MLFQ (:mod:`.skip_join`) orders both queues and pauses the running jobs outside the
   top ``maxBatchSize``. 7 (SJF-MLFQ) is refused at startup (no published form to implement).
+
+``ctx`` is the plugin contract's ``EngineContext`` (typed ``Any`` here: the contract sits on a floor
+above the engine).
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ class State:
 
 
 @hookimpl(trylast=True)
-def mindie_host_order_waiting(ctx: Any, waiting: list[SequenceView], config: Any, now: float) -> list[SequenceView]:
+def mindie_host_order_waiting(ctx: Any, waiting: list[SequenceView], now: float) -> list[SequenceView]:
     """``policyType`` 4/5/6 when set, else ``prefillPolicyType``."""
-    schedule = config.BackendConfig.ScheduleConfig
+    schedule = ctx.config.BackendConfig.ScheduleConfig
     if schedule.policyType == SKIP_JOIN_MLFQ:
         return ctx.state.mlfq.order(waiting, now)  # type: ignore[no-any-return]
     order = JOB_ORDERS.get(schedule.policyType) or PREFILL_ORDERS[schedule.prefillPolicyType]
@@ -66,9 +69,9 @@ def mindie_host_order_waiting(ctx: Any, waiting: list[SequenceView], config: Any
 
 
 @hookimpl(trylast=True)
-def mindie_host_order_running(ctx: Any, running: list[SequenceView], config: Any, now: float) -> list[SequenceView]:
+def mindie_host_order_running(ctx: Any, running: list[SequenceView], now: float) -> list[SequenceView]:
     """``policyType`` 6 when set, else ``decodePolicyType`` (0 keeps the admission order)."""
-    schedule = config.BackendConfig.ScheduleConfig
+    schedule = ctx.config.BackendConfig.ScheduleConfig
     if schedule.policyType == SKIP_JOIN_MLFQ:
         ordered: list[SequenceView] = ctx.state.mlfq.order(running, now)
         if schedule.templateType == "Mix":  # the Mix planner decodes the running batch every step
@@ -103,6 +106,6 @@ def mindie_host_request_finished(ctx: Any, request: Any, reason: str) -> None:
 
 
 @hookimpl(trylast=True)
-def mindie_host_kv_cache_manager(num_blocks: int, block_size: int, config: Any) -> KVCacheManager:
+def mindie_host_kv_cache_manager(ctx: Any, num_blocks: int, block_size: int) -> KVCacheManager:
     """Plain paged block accounting with no sharing."""
     return KVCacheManager(num_blocks, block_size)

@@ -93,11 +93,11 @@ class Scheduler:
         if self.swapped:
             self._swap_in()
         if len(self.waiting) > 1:
-            ordered = self.hook.mindie_host_order_waiting(waiting=list(self.waiting), config=self.config, now=now)
+            ordered = self.hook.mindie_host_order_waiting(waiting=list(self.waiting), now=now)
             if ordered is not None:
                 self.waiting = list(ordered)
         if self.running:
-            ordered = self.hook.mindie_host_order_running(running=list(self.running), config=self.config, now=now)
+            ordered = self.hook.mindie_host_order_running(running=list(self.running), now=now)
             if ordered is not None:
                 self.running = list(ordered)
         for seq in self.waiting[: self.limits.max_batch_size]:

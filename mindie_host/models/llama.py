@@ -50,6 +50,6 @@ LLAMA = LlamaFamily()
 
 
 @hookimpl
-def mindie_host_model_architectures() -> list[Architecture]:
+def mindie_host_model_architectures(ctx: Any) -> list[Architecture]:
     """The Llama family."""
     return [LLAMA]

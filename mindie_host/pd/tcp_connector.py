@@ -214,8 +214,9 @@ def _prod(shape: list[int]) -> int:
 
 
 @hookimpl(trylast=True)
-def mindie_host_kv_connector(config: Any) -> KVConnector:
+def mindie_host_kv_connector(ctx: Any) -> KVConnector:
     """The builtin transport (TCP), listening on the business address."""
+    config = ctx.config
     ip = config.ServerConfig.ipAddress
     advertise = ip if ip not in ("0.0.0.0", "") else config.ServerConfig.managementIpAddress
     return TCPConnector(ip, advertise)

@@ -10,7 +10,7 @@ from ..plugins import PluginError, PluginHost, install_hint
 def create_backend(plugins: PluginHost, config: Config) -> ModelBackend:
     """The backend of ``backendType`` from the ``mindie_host_model_backend`` hook (not loaded yet)."""
     mc = config.model
-    backend = plugins.hook.mindie_host_model_backend(backend_type=mc.backendType, model_config=mc, config=config)
+    backend = plugins.hook.mindie_host_model_backend(backend_type=mc.backendType)
     if backend is None:
         known = ", ".join(plugins.backend_types()) or "none"
         raise PluginError(

@@ -45,7 +45,7 @@ def build_engine(
         )
     backend.allocate_kv_cache(num_blocks, block_size)
     backend.warmup()
-    kv = plugins.hook.mindie_host_kv_cache_manager(num_blocks=num_blocks, block_size=block_size, config=config)
+    kv = plugins.hook.mindie_host_kv_cache_manager(num_blocks=num_blocks, block_size=block_size)
     limits = SchedulerLimits.from_schedule(sc, config.environment.recompute_threshold)
     swap = swap_space(config, backend)
     connector = kv_connector(plugins, config, backend, info, block_size) if config.server.inferMode == "dmi" else None
@@ -77,7 +77,7 @@ def kv_connector(
             f"ServerConfig.inferMode 'dmi': backendType {config.model.backendType!r} cannot "
             "export and import KV blocks (with kvCacheDtype int8 neither can the torch backend)"
         )
-    connector: KVConnector = plugins.hook.mindie_host_kv_connector(config=config)
+    connector: KVConnector = plugins.hook.mindie_host_kv_connector()
     layout = KVLayout(
         model=info.name,
         num_layers=info.num_layers,

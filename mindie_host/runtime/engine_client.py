@@ -333,7 +333,7 @@ class EngineProcessClient(AsyncEngine):
                 log.error("engine restart failed: %s", exc)
                 continue
             # plugins drop what they changed in the old engine at run time (its state is gone)
-            self.host.plugins.call_observers("mindie_host_engine_restarted", host=self.host)
+            self.host.plugins.call_observers("mindie_host_engine_restarted")
             self.restarting = None
             if not self.host.draining:
                 self.report_ready(True)

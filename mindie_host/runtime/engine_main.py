@@ -66,7 +66,7 @@ def engine_core_main(
         check_and_enable(host)
         # a dead tensor-parallel rank ends this process at once: the supervisor restarts every rank together
         assemble(host, LoadProgress() if show_progress else None, on_rank_lost=exit_for_lost_rank)
-        host.plugins.hook.mindie_host_startup(host=host)
+        host.plugins.hook.mindie_host_startup()
     except BaseException as exc:
         log.exception("engine process failed to load")
         try:  # the error itself, so startup fails with the same exception as with the engine in-process

@@ -60,7 +60,7 @@ def launch_engines(host: Host, show_progress: bool = False) -> None:
     host.engine = client
     host.runtime.front_end_threads_before = limit_front_end_threads()
     try:
-        host.plugins.hook.mindie_host_startup(host=host)
+        host.plugins.hook.mindie_host_startup()
     except Exception as exc:
         client.stop()
         raise EngineStartError(

@@ -36,4 +36,4 @@ def load_host(host: Host, progress: Callable[[int, int, str], None] | None = Non
     assemble(host, progress)
     assert host.llm is not None
     host.engine = AsyncEngine(host.llm, host.plugins)
-    host.plugins.hook.mindie_host_startup(host=host)
+    host.plugins.hook.mindie_host_startup()

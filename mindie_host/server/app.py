@@ -156,5 +156,5 @@ def create_app(host: Host, plane: str) -> FastAPI:
             f"internal server error; the server log has the details under request id {rid}", status=500
         ))
 
-    host.plugins.hook.mindie_host_add_routes(app=app, host=host, plane=plane)
+    host.plugins.hook.mindie_host_add_routes(app=app, plane=plane)
     return app

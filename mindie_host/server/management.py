@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import hookimpl
+from ..context import HostContext
 from ..engine.request import RequestError, SamplingParams
 from .app import error_response, json_response
 from .metrics import metrics_json, read_stats
@@ -162,8 +163,10 @@ def request_stop(host: Host) -> bool:
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
     """Register the management routes."""
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     if plane != "management":
         return
 

@@ -40,7 +40,7 @@ from .admission import LINK_GATE
 from .app import json_response
 
 if TYPE_CHECKING:
-    from ..context import LifecycleContext
+    from ..context import HostContext
     from ..host_protocol import Host
 
 ENV_MONITOR = "MIES_SERVICE_MONITOR_MODE"
@@ -370,15 +370,17 @@ def metrics_json(host: Host, instance: str) -> dict[str, Any]:
 
 # -- hooks -------------------------------------------------------------------------------------
 @hookimpl
-def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+def mindie_host_step_outputs(ctx: HostContext, outputs: list[RequestOutput]) -> None:
     """Feed the histograms from every engine step."""
     if ctx.host is not None:
         serving_metrics(ctx.host).observe(outputs)
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
     """``GET /metrics`` on the metrics plane."""
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     if plane != "metrics":
         return
 

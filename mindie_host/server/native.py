@@ -49,7 +49,7 @@ from .textgen import (
 from .validation import Fields
 
 if TYPE_CHECKING:
-    from ..context import LifecycleContext
+    from ..context import HostContext
     from ..host_protocol import Host
 
 PROTOCOL = "native"
@@ -256,22 +256,24 @@ class NativeServer:
 
 
 @hookimpl
-def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+def mindie_host_step_outputs(ctx: HostContext, outputs: list[RequestOutput]) -> None:
     """Forget the client ids of requests that finished in this step."""
     if ctx.host is not None:
         client_ids(ctx.host).on_step(outputs)
 
 
 @hookimpl
-def mindie_host_refine_request(request: EngineRequest, body: dict[str, Any], protocol: str, host: Host) -> None:
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any], protocol: str) -> None:
     """Remember which engine request runs under a client-given ``id`` (Triton and native routes)."""
     cid = body.get("id") if protocol in ("triton", "native") else None
-    if isinstance(cid, str) and cid:
-        client_ids(host).add(cid, request.request_id)
+    if isinstance(cid, str) and cid and ctx.host is not None:
+        client_ids(ctx.host).add(cid, request.request_id)
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     server = NativeServer(host)
     if plane == "management":
         @app.get("/v2/models/{model}/getSlotCount")

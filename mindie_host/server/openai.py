@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import hookimpl
 from ..chat_template import fit_roles, template_kwargs, template_profile
+from ..context import HostContext
 from ..engine.request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from ..structured import llg, parse_structured
 from .app import (
@@ -426,7 +427,9 @@ class OpenAIServer:
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     if plane != "business":
         return
     server = OpenAIServer(host)

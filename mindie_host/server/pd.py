@@ -40,6 +40,7 @@ from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 
 from .. import hookimpl
+from ..context import HostContext
 from ..engine.handoff import HOLD_SECONDS
 from ..host_state import CacheSlot
 from ..pd.call import DECODE, PREFILL, PDCall, current_call
@@ -480,8 +481,10 @@ async def decode_replay(host: Host, app: Any, message: dict[str, Any]) -> None:
 
 # -- routes ----------------------------------------------------------------------------------------
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
     """``/v1/role`` on the management plane, ``/dmi/decode`` on the inter-instance plane (dmi only)."""
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     if plane == "management":
 
         @app.post("/v1/role/{role}")

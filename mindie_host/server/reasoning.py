@@ -22,6 +22,7 @@ from ..host_state import CacheSlot
 from ..reasoning_parsers import ReasoningParser, ReasoningStream
 
 if TYPE_CHECKING:
+    from ..context import HostContext
     from ..host_protocol import Host
 
 #: the model's reasoning parser, ``False`` when the model does not reason
@@ -29,9 +30,10 @@ REASONING_PARSER: CacheSlot[ReasoningParser | bool] = CacheSlot("reasoning parse
 
 
 @hookimpl(trylast=True)
-def mindie_host_reasoning_parser(model_type: str, host: Host) -> ReasoningParser | None:
+def mindie_host_reasoning_parser(ctx: HostContext, model_type: str) -> ReasoningParser | None:
+    """The ``<think>`` parser when the model's chat template writes ``</think>``."""
     parser = ReasoningParser()
-    return parser if parser.applies(template_profile(host).template) else None
+    return parser if ctx.host is not None and parser.applies(template_profile(ctx.host).template) else None
 
 
 def reasoning_parser(host: Host) -> ReasoningParser | None:
@@ -39,7 +41,7 @@ def reasoning_parser(host: Host) -> ReasoningParser | None:
 
     def ask() -> ReasoningParser | bool:
         model_type = host.info.model_type if host.info is not None else "llama"
-        return host.plugins.hook.mindie_host_reasoning_parser(model_type=model_type, host=host) or False
+        return host.plugins.hook.mindie_host_reasoning_parser(model_type=model_type) or False
 
     cached = host.caches.get_or_make(REASONING_PARSER, ask)
     return cached if isinstance(cached, ReasoningParser) else None

@@ -105,7 +105,7 @@ def build_app(host: Host, planes: tuple[str, ...]) -> FastAPI:
     app = create_app(host, planes[0])
     app.state.business_routes = list(app.routes) if planes[0] == "business" else []
     for plane in planes[1:]:
-        host.plugins.hook.mindie_host_add_routes(app=app, host=host, plane=plane)
+        host.plugins.hook.mindie_host_add_routes(app=app, plane=plane)
     return app
 
 

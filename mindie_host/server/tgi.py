@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import __version__, hookimpl
+from ..context import HostContext
 from ..engine.request import EngineRequest, RequestError, RequestOutput, TokenLogprob
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .params import copy_sampling
@@ -279,7 +280,9 @@ async def dispatch_generate(host: Host, tgi: TGIServer, request: Request) -> Res
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     server = TGIServer(host)
     if plane == "management":
         @app.get("/info")

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 
 from .. import hookimpl
 from ..chat_template import fit_roles, template_kwargs, template_profile
+from ..context import HostContext
 from ..engine.request import RequestError
 from .app import error_response, json_response, mindie_error_body, offload, read_json
 from .openai import openai_error
@@ -147,7 +148,9 @@ class TokenizeServer:
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     if plane != "business":
         return
     server = TokenizeServer(host)

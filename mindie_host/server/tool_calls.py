@@ -39,6 +39,7 @@ from ..tool_parsers import (
 from ..tool_parsers.base import first_marker, partial_marker
 
 if TYPE_CHECKING:
+    from ..context import HostContext
     from ..host_protocol import Host
 
 __all__ = [
@@ -48,8 +49,9 @@ __all__ = [
 
 
 @hookimpl(trylast=True)
-def mindie_host_tool_call_parser(model_type: str, host: Host) -> ToolParser:
-    return builtin_parser(model_type, template_profile(host).template)
+def mindie_host_tool_call_parser(ctx: HostContext, model_type: str) -> ToolParser:
+    """The format the model's chat template writes calls in, else ``model_type``'s family's, else bare JSON."""
+    return builtin_parser(model_type, template_profile(ctx.host).template if ctx.host is not None else "")
 
 
 # =============================================================================================
@@ -251,7 +253,7 @@ TOOL_PARSER: CacheSlot[ToolParser] = CacheSlot("tool-call parser")
 def _model_parser(host: Host) -> ToolParser:
     """A plugin's parser for the model family (``mindie_host_tool_call_parser``), else the builtin one."""
     model_type = host.info.model_type if host.info is not None else "llama"
-    parser = host.plugins.hook.mindie_host_tool_call_parser(model_type=model_type, host=host)
+    parser = host.plugins.hook.mindie_host_tool_call_parser(model_type=model_type)
     if parser is None:
         return builtin_parser(model_type)
     return parser if isinstance(parser, ToolParser) else ParserAdapter(parser)

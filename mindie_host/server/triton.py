@@ -34,6 +34,7 @@ from fastapi.responses import Response
 
 from .. import __version__, hookimpl
 from ..content import media_text
+from ..context import HostContext
 from ..engine.request import EngineRequest, RequestError, RequestOutput, SamplingParams
 from .app import error_response, json_response, offload, read_json, sse_event, streaming_response, until_disconnect
 from .management import not_ready_reason
@@ -384,7 +385,9 @@ def text_input(value: Any) -> str:
 
 
 @hookimpl
-def mindie_host_add_routes(app: FastAPI, host: Host, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
+    host = ctx.host
+    assert host is not None  # routes are added for a running host
     server = TritonServer(host)
     if plane == "management":
         @app.get("/v2/models/{model}/ready")

@@ -12,14 +12,15 @@ from .backend import TorchBackend
 
 
 @hookimpl
-def mindie_host_backend_types() -> list[str]:
+def mindie_host_backend_types(ctx: Any) -> list[str]:
     return ["torch"]
 
 
 @hookimpl
-def mindie_host_model_backend(ctx: Any, backend_type: str, model_config: Any, config: Any) -> TorchBackend | None:
+def mindie_host_model_backend(ctx: Any, backend_type: str) -> TorchBackend | None:
     if backend_type != "torch":
         return None
+    model_config = ctx.model
     path = model_config.modelWeightPath or str(default_model_path())
     name = model_config.modelName or DEFAULT_MODEL_NAME
     return TorchBackend(

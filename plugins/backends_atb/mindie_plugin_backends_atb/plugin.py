@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from mindie_host import hookimpl
-from mindie_host.api import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from mindie_host.api import DEFAULT_MODEL_NAME, BackendContext, HostContext, default_model_path, resolve_model
 
 from .backend import DEFAULT_MEMORY_FRACTION, AtbBackend
 from .platform import NpuPlatform, load_torch_npu
@@ -23,14 +23,15 @@ def _options(config: Any) -> Any:
 
 
 @hookimpl
-def mindie_host_backend_types() -> list[str]:
+def mindie_host_backend_types(ctx: BackendContext) -> list[str]:
     """This plugin serves ``backendType: "atb"``."""
     return [BACKEND_TYPE]
 
 
 @hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
+def mindie_host_validate_config(ctx: HostContext) -> list[str]:
     """Refuse what the NPU path cannot do: another device, float32, unknown options (worldSize > 1: a warning)."""
+    config, model_config = ctx.config, ctx.model
     if model_config.backendType != BACKEND_TYPE:
         return []
     errors: list[str] = []
@@ -69,12 +70,13 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
 
 
 @hookimpl
-def mindie_host_model_backend(ctx: Any, backend_type: str, model_config: Any, config: Any) -> AtbBackend | None:
+def mindie_host_model_backend(ctx: BackendContext, backend_type: str) -> AtbBackend | None:
     """An unloaded :class:`AtbBackend` on the NPU; raises ``NpuUnavailable`` (a ``RuntimeError``) naming what
     is missing (torch_npu, or a visible NPU) and how to install it."""
     if backend_type != BACKEND_TYPE:
         return None
     ops = load_torch_npu()
+    config, model_config = ctx.config, ctx.model
     path = model_config.modelWeightPath or str(default_model_path())
     return AtbBackend(
         resolve_model(path),

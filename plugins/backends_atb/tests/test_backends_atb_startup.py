@@ -16,12 +16,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from mindie_plugin_backends_atb import plugin as atb_plugin
 from mindie_plugin_backends_atb.backend import AtbBackend, KvBudgetError
 from mindie_plugin_backends_atb.platform import NpuPlatform, NpuUnavailable, load_torch_npu
 from standin_torch_npu import StandInTorchNpu
 
-from mindie_host.api import PluginError, config_from_dict, hookimpl, resolve_model
+from mindie_host.api import BackendContext, PluginError, config_from_dict, hookimpl, resolve_model
 from mindie_host.backend_api import Platform
 from mindie_host.testing import RunningServer, load_host, make_tiny_llama, new_host, plugin_manager, server_config
 
@@ -99,7 +98,7 @@ def test_backends_atb_config_validation(tiny_path: Path, model: dict[str, Any], 
 def test_backends_atb_valid_config_passes_validation(tiny_path: Path) -> None:
     cfg = config_from_dict(server_config(tiny_path, model={"backendType": "atb", "dtype": "bfloat16",
                                                            "npuMemSize": 4}, plugins={"atb": {"memoryFraction": 0.5}}))
-    assert atb_plugin.mindie_host_validate_config(cfg, cfg.model) == []
+    assert plugin_manager(cfg).validate(cfg) == []
 
 
 def test_backends_atb_platform_facts() -> None:
@@ -139,11 +138,11 @@ class StandInAtbPlugin:
         self.path, self.free, self.total = path, free, total
 
     @hookimpl
-    def mindie_host_model_backend(self, backend_type: str, model_config: Any) -> AtbBackend | None:
+    def mindie_host_model_backend(self, ctx: BackendContext, backend_type: str) -> AtbBackend | None:
         if backend_type != "atb":
             return None
         platform = NpuPlatform(StandInTorchNpu(), device_type="cpu", mem_get_info=lambda: (self.free, self.total))
-        return AtbBackend(resolve_model(self.path), name=model_config.modelName, dtype="float32", platform=platform)
+        return AtbBackend(resolve_model(self.path), name=ctx.model.modelName, dtype="float32", platform=platform)
 
 
 def test_backends_atb_host_refuses_npu_mem_size_beyond_free(tiny_path: Path) -> None:

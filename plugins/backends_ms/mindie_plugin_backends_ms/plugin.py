@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from mindie_host import hookimpl
-from mindie_host.api import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from mindie_host.api import DEFAULT_MODEL_NAME, BackendContext, HostContext, default_model_path, resolve_model
 
 BACKEND_TYPE = "ms"
 #: plugins whose contract this backend does not implement, with the reason given at startup
@@ -25,14 +25,15 @@ def _options(config: Any) -> dict[str, Any]:
 
 
 @hookimpl
-def mindie_host_backend_types() -> list[str]:
+def mindie_host_backend_types(ctx: BackendContext) -> list[str]:
     """This plugin serves ``backendType: "ms"``."""
     return [BACKEND_TYPE]
 
 
 @hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
+def mindie_host_validate_config(ctx: HostContext) -> list[str]:
     """Refuse settings the MindSpore backend cannot honour (device, dtype, worldSize, LoRA, options)."""
+    config, model_config = ctx.config, ctx.model
     if model_config.backendType != BACKEND_TYPE:
         return []
     errors: list[str] = []
@@ -70,7 +71,7 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
 
 
 @hookimpl
-def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any) -> Any:
+def mindie_host_model_backend(ctx: BackendContext, backend_type: str) -> Any:
     """An unloaded :class:`~mindie_plugin_backends_ms.backend.MsBackend` for ``backendType: "ms"``.
 
     Raises ``RuntimeError`` naming the install command when MindSpore is missing.
@@ -80,6 +81,7 @@ def mindie_host_model_backend(backend_type: str, model_config: Any, config: Any)
     from .backend import MsBackend
     from .runtime import mindspore_module
 
+    config, model_config = ctx.config, ctx.model
     threads = _options(config).get("numThreads")
     mindspore_module(threads)  # fail here, with the install hint, before any weights are read
     path = model_config.modelWeightPath or str(default_model_path())

@@ -29,13 +29,10 @@ from mindie_host.api import (
     DraftOutcome,
     DraftRequest,
     Drafts,
+    EngineContext,
     EngineRequest,
-    Host,
+    HostContext,
     KVCacheManager,
-    LifecycleContext,
-    ModelConfig,
-    RequestContext,
-    SchedulingContext,
     default_model_path,
     hookimpl,
     opted_out,
@@ -73,9 +70,9 @@ class State:
 
 
 @hookimpl
-def mindie_host_validate_config(ctx: LifecycleContext, model_config: ModelConfig) -> list[str]:
+def mindie_host_validate_config(ctx: HostContext) -> list[str]:
     """The scheme must be one the draft can be read with, and the weights must resolve."""
-    if PLUGIN_NAME not in model_config.plugins:
+    if PLUGIN_NAME not in ctx.model.plugins:
         return []
     params: Params = ctx.params
     errors = []
@@ -105,10 +102,13 @@ def build_drafter(ctx: Any) -> Drafter:
 
 
 @hookimpl
-def mindie_host_startup(ctx: LifecycleContext, host: Host) -> None:
+def mindie_host_startup(ctx: HostContext) -> None:
     """Refuse a draft whose vocabulary is not the served model's; load it now when the engine runs here
     (in an engine process it loads on the first step that proposes)."""
     from mindie_host.backend_api import load_arch
+
+    host = ctx.host
+    assert host is not None
 
     vocab = load_arch(resolve_model(ctx.params.modelWeightPath or default_model_path())).vocab_size
     if host.info is not None and vocab != host.info.vocab_size:
@@ -119,13 +119,13 @@ def mindie_host_startup(ctx: LifecycleContext, host: Host) -> None:
 
 
 @hookimpl
-def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any]) -> None:
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any]) -> None:
     """``speculative_decoding: false`` turns the drafts off for this request (a non-boolean is a 400)."""
     read_opt_out(request, body)
 
 
 @hookimpl
-def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
+def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
     """The draft model's greedy continuation of every sequence, in one batched pass per position."""
     params: Params = ctx.params
     if len(seqs) > params.maxBatchSize:
@@ -139,20 +139,20 @@ def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest])
 
 
 @hookimpl
-def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutcome]) -> None:
+def mindie_host_drafts_accepted(ctx: EngineContext, outcomes: list[DraftOutcome]) -> None:
     """Roll the draft's KV back to the accepted tokens."""
     if ctx.state.drafter is not None:
         ctx.state.drafter.accepted(outcomes)
 
 
 @hookimpl
-def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
+def mindie_host_request_finished(ctx: HostContext, request: EngineRequest) -> None:
     """Free the request's draft KV."""
     if ctx.state.drafter is not None:
         ctx.state.drafter.release(request.request_id)
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
     """Drafts proposed and accepted, the acceptance rate and the mean accepted length (/metrics, /metrics-json)."""
-    return speculation_metrics(host)
+    return speculation_metrics(ctx.host) if ctx.host is not None else None

@@ -26,11 +26,9 @@ from mindie_host.api import (
     DraftOutcome,
     DraftRequest,
     Drafts,
+    EngineContext,
     EngineRequest,
-    Host,
-    LifecycleContext,
-    RequestContext,
-    SchedulingContext,
+    HostContext,
     hookimpl,
     opted_out,
     read_opt_out,
@@ -72,13 +70,13 @@ class State:
 
 
 @hookimpl
-def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any]) -> None:
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any]) -> None:
     """``speculative_decoding: false`` turns the drafts off for this request (a non-boolean is a 400)."""
     read_opt_out(request, body)
 
 
 @hookimpl
-def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
+def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
     """Copy what followed the latest earlier occurrence of each sequence's last n-gram."""
     params: Params = ctx.params
     if len(seqs) > params.maxBatchSize:
@@ -99,7 +97,7 @@ def mindie_host_propose_drafts(ctx: SchedulingContext, seqs: list[DraftRequest])
 
 
 @hookimpl
-def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutcome]) -> None:
+def mindie_host_drafts_accepted(ctx: EngineContext, outcomes: list[DraftOutcome]) -> None:
     """Adapt each request's k: one more after a fully accepted run, else one more than it accepted, so a request
     whose text does not repeat verifies few rows (a row costs compute even when the step is bound by reading
     the weights)."""
@@ -110,13 +108,13 @@ def mindie_host_drafts_accepted(ctx: SchedulingContext, outcomes: list[DraftOutc
 
 
 @hookimpl
-def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
+def mindie_host_request_finished(ctx: HostContext, request: EngineRequest) -> None:
     """Drop the request's index."""
     ctx.state.indexes.pop(request.request_id, None)
     ctx.state.k.pop(request.request_id, None)
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext, host: Host) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
     """Drafts proposed and accepted, the acceptance rate and the mean accepted length (/metrics, /metrics-json)."""
-    return speculation_metrics(host)
+    return speculation_metrics(ctx.host) if ctx.host is not None else None

@@ -11,7 +11,7 @@ also works.
 
 from __future__ import annotations
 
-from mindie_host.api import hookimpl
+from mindie_host.api import BackendContext, hookimpl
 from mindie_host.backend_api import Architecture
 
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
@@ -26,6 +26,6 @@ FAMILIES: tuple[Architecture, ...] = (QWEN3, GLM, GLM4, GEMMA3, PHI3, QWEN3_MOE,
 
 
 @hookimpl
-def mindie_host_model_architectures() -> list[Architecture]:
+def mindie_host_model_architectures(ctx: BackendContext) -> list[Architecture]:
     """Qwen3, GLM (``glm`` and ``glm4``), Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and DeepSeek-V3 / V2."""
     return list(FAMILIES)

@@ -37,15 +37,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from mindie_host.api import (
     BackendContext,
+    EngineContext,
     EngineRequest,
-    LifecycleContext,
+    HostContext,
     LinearDeltas,
     ModelConfig,
     ModelInfo,
-    RequestContext,
     RequestError,
     RequestOutput,
-    SchedulingContext,
     SequenceView,
     hookimpl,
 )
@@ -129,7 +128,7 @@ def mindie_host_linear_deltas(ctx: BackendContext, info: ModelInfo) -> LinearDel
 
 
 @hookimpl
-def mindie_host_startup(ctx: LifecycleContext) -> None:
+def mindie_host_startup(ctx: HostContext) -> None:
     """Load and check every listed adapter into the registry over the runtime's slots."""
     host = ctx.host
     if host is None or NAME not in ctx.model.plugins:
@@ -156,12 +155,12 @@ def mindie_host_startup(ctx: LifecycleContext) -> None:
 
 
 @hookimpl
-def mindie_host_shutdown(ctx: LifecycleContext) -> None:
+def mindie_host_shutdown(ctx: HostContext) -> None:
     ctx.state.registry = ctx.state.catalogue = ctx.state.control = None
 
 
 @hookimpl
-def mindie_host_engine_restarted(ctx: LifecycleContext) -> None:
+def mindie_host_engine_restarted(ctx: HostContext) -> None:
     """The new engine process loaded the startup adapters only: forget those loaded at run time."""
     catalogue = ctx.state.catalogue
     if isinstance(catalogue, AdapterCatalogue):
@@ -170,7 +169,7 @@ def mindie_host_engine_restarted(ctx: LifecycleContext) -> None:
 
 
 @hookimpl
-def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]) -> None:
+def mindie_host_step_outputs(ctx: HostContext, outputs: list[RequestOutput]) -> None:
     """Front end of an engine process: requests with outputs have reached the engine, which counts them."""
     catalogue = ctx.state.catalogue
     if isinstance(catalogue, AdapterCatalogue):
@@ -178,7 +177,7 @@ def mindie_host_step_outputs(ctx: LifecycleContext, outputs: list[RequestOutput]
 
 
 @hookimpl
-def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str, payload: Any) -> Any:
+def mindie_host_engine_command(ctx: HostContext, target: str, command: str, payload: Any) -> Any:
     """In the engine: load, unload and list adapters for the front end's routes (:mod:`.control`)."""
     if target != NAME:
         return None
@@ -192,13 +191,13 @@ def mindie_host_engine_command(ctx: LifecycleContext, target: str, command: str,
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
     registry = ctx.state.registry
     return registry.metrics() if registry is not None else None
 
 
 @hookimpl
-def mindie_host_served_models(ctx: RequestContext) -> list[str] | None:
+def mindie_host_served_models(ctx: HostContext) -> list[str] | None:
     """Every known adapter, listed by ``/v1/models`` after the base model."""
     catalogue = ctx.state.catalogue
     return list(catalogue.entries) if catalogue is not None else None
@@ -254,7 +253,7 @@ def select_adapter(
 
 
 @hookimpl
-def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any],
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any],
                                protocol: str) -> None:
     """Resolve the adapter; set ``extensions["multi_lora"]``, ``variant`` (current slot) and ``cache_salt``."""
     registry = ctx.state.catalogue
@@ -278,7 +277,7 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
 
 
 @hookimpl
-def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> None:
+def mindie_host_request_arrived(ctx: HostContext, request: EngineRequest) -> None:
     """In the engine process: track the engine's own copy of an adapter request (refine tracked the front end's)."""
     registry: AdapterRegistry | None = ctx.state.registry
     name = request.extensions.get(NAME)
@@ -294,7 +293,7 @@ def mindie_host_request_arrived(ctx: RequestContext, request: EngineRequest) -> 
 # engine
 # ---------------------------------------------------------------------------------------------
 @hookimpl
-def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
+def mindie_host_filter_waiting(ctx: EngineContext, waiting: list[SequenceView]) -> list[SequenceView] | None:
     """Bind waiting adapter requests to resident slots; hold back those with no slot to get."""
     registry: AdapterRegistry | None = ctx.state.registry
     if registry is None:
@@ -303,7 +302,7 @@ def mindie_host_filter_waiting(ctx: SchedulingContext, waiting: list[SequenceVie
 
 
 @hookimpl
-def mindie_host_request_finished(ctx: RequestContext, request: EngineRequest) -> None:
+def mindie_host_request_finished(ctx: HostContext, request: EngineRequest) -> None:
     """Release the request's slot binding."""
     registry: AdapterRegistry | None = ctx.state.registry
     if NAME in request.extensions and registry is not None and registry.owns(request.request_id):
@@ -380,7 +379,7 @@ def _ready(state: State) -> AdapterControl:
 
 
 @hookimpl
-def mindie_host_add_routes(ctx: RequestContext, app: FastAPI, plane: str) -> None:
+def mindie_host_add_routes(ctx: HostContext, app: FastAPI, plane: str) -> None:
     """Runtime adapter management on the management plane."""
     host = ctx.host
     if plane != "management" or NAME not in ctx.model.plugins or host is None:

@@ -33,9 +33,7 @@ from mindie_host import hookimpl
 from mindie_host.api import (
     BackendContext,
     EngineRequest,
-    LifecycleContext,
-    ModelConfig,
-    RequestContext,
+    HostContext,
     RequestError,
     register_media_handler,
     resolve_model,
@@ -84,8 +82,9 @@ class State:
 
 
 @hookimpl
-def mindie_host_validate_config(model_config: ModelConfig) -> list[str] | None:
+def mindie_host_validate_config(ctx: HostContext) -> list[str] | None:
     """The model directory must be a LLaVA or Qwen2-VL one served by the torch backend."""
+    model_config = ctx.model
     if NAME not in model_config.plugins:
         return None
     errors = []
@@ -192,7 +191,7 @@ def collect_media(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]
 
 
 @hookimpl
-def mindie_host_startup(ctx: LifecycleContext) -> None:
+def mindie_host_startup(ctx: HostContext) -> None:
     """Build the image runtime and let the protocol parsers accept image parts."""
     host = ctx.host
     if host is None or NAME not in ctx.model.plugins:
@@ -210,7 +209,7 @@ def mindie_host_startup(ctx: LifecycleContext) -> None:
 
 
 @hookimpl
-def mindie_host_shutdown(ctx: LifecycleContext) -> None:
+def mindie_host_shutdown(ctx: HostContext) -> None:
     """Stop accepting image parts for this host."""
     if ctx.state.runtime is not None and ctx.host is not None:
         ctx.state.runtime = None
@@ -218,7 +217,7 @@ def mindie_host_shutdown(ctx: LifecycleContext) -> None:
 
 
 @hookimpl
-def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body: dict[str, Any]) -> None:
+def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: dict[str, Any]) -> None:
     """Attach the body's images to the request (placeholder spans, payload, prefix-cache keys)."""
     runtime: ImageRuntime | None = ctx.state.runtime
     if runtime is None or not isinstance(body, dict):
@@ -234,7 +233,7 @@ def mindie_host_refine_request(ctx: RequestContext, request: EngineRequest, body
 
 
 @hookimpl
-def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
+def mindie_host_request_finished(ctx: HostContext, request: EngineRequest) -> None:
     """Free the request's image features as soon as it leaves the engine."""
     payload = request.payload
     if isinstance(payload, MultimodalPayload):
@@ -243,7 +242,7 @@ def mindie_host_request_finished(request: EngineRequest, reason: str) -> None:
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
     """``multimodal_images_encoded``, ``multimodal_vision_batches`` and seconds spent in the vision tower."""
     backend = ctx.host.backend if ctx.host is not None else None
     if not isinstance(backend, MultimodalTorchBackend):

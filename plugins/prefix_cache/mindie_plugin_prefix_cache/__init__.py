@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictInt
 
-from mindie_host.api import KVCacheManager, KVContext, LifecycleContext, ModelConfig, hookimpl
+from mindie_host.api import EngineContext, HostContext, KVCacheManager, hookimpl
 
 from .manager import PrefixCachingKVCacheManager, block_key
 
@@ -53,9 +53,9 @@ def is_enabled(config: Any) -> bool:
 
 
 @hookimpl
-def mindie_host_validate_config(ctx: LifecycleContext, model_config: ModelConfig) -> list[str]:
+def mindie_host_validate_config(ctx: HostContext) -> list[str]:
     """Both switches must be on; ``numBlocks`` must hold one sequence of ``maxSeqLen``."""
-    if PLUGIN_NAME not in model_config.plugins:
+    if PLUGIN_NAME not in ctx.model.plugins:
         return []
     config, errors = ctx.config, []
     if not config.schedule.enablePrefixCache:
@@ -76,7 +76,7 @@ def mindie_host_validate_config(ctx: LifecycleContext, model_config: ModelConfig
 
 
 @hookimpl
-def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: int) -> KVCacheManager | None:
+def mindie_host_kv_cache_manager(ctx: EngineContext, num_blocks: int, block_size: int) -> KVCacheManager | None:
     """The prefix-sharing manager when the feature is on; ``None`` (the builtin) otherwise."""
     if not is_enabled(ctx.config):
         return None
@@ -88,7 +88,7 @@ def mindie_host_kv_cache_manager(ctx: KVContext, num_blocks: int, block_size: in
 
 
 @hookimpl
-def mindie_host_metrics(ctx: LifecycleContext) -> dict[str, float] | None:
+def mindie_host_metrics(ctx: HostContext) -> dict[str, float] | None:
     """``npu_prefix_cache_hit_rate``: cached blocks found / prompt blocks looked up, since startup."""
     manager = ctx.state.manager
     if manager is None:

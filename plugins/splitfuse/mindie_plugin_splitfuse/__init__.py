@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mindie_host import hookimpl
-from mindie_host.api import SchedulerState, StepPlan
+from mindie_host.api import EngineContext, HostContext, SchedulerState, StepPlan
 
 from .planner import may_split, plan_mix, split_active
 
@@ -31,15 +31,15 @@ def is_enabled(config: Any) -> bool:
 
 
 @hookimpl
-def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
+def mindie_host_validate_config(ctx: HostContext) -> list[str]:
     """``templateType`` must be ``Mix``.
 
     The split keys' own rules (``splitChunkTokens`` in [1, 8192], ``splitStartBatchSize`` at most
     ``maxBatchSize`` when ``enableSplit`` is true) are the config's, checked whether or not this
     plugin is installed.
     """
-    template = config.schedule.templateType
-    if PLUGIN_NAME not in model_config.plugins or template == "Mix":
+    template = ctx.config.schedule.templateType
+    if PLUGIN_NAME not in ctx.model.plugins or template == "Mix":
         return []
     return [
         f"BackendConfig.ScheduleConfig.templateType is {template!r} but ModelConfig.plugin_params enables "
@@ -49,7 +49,7 @@ def mindie_host_validate_config(config: Any, model_config: Any) -> list[str]:
 
 
 @hookimpl
-def mindie_host_plan_step(state: SchedulerState) -> StepPlan | None:
+def mindie_host_plan_step(ctx: EngineContext, state: SchedulerState) -> StepPlan | None:
     """Every step: decodes first, then prefill chunks, within ``splitChunkTokens``."""
     if not is_enabled(state.config):
         return None

@@ -29,7 +29,7 @@ class PlanRecorder:
         self.steps: list[list[tuple[int, int, int]]] = []
 
     @hookimpl(wrapper=True)
-    def mindie_host_plan_step(self, state: Any) -> Any:
+    def mindie_host_plan_step(self, ctx: Any, state: Any) -> Any:
         plan = yield
         if plan:
             self.steps.append([(s.seq_id, n, s.num_uncomputed) for s, n in plan.scheduled])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from mindie_host.api import SchedulingContext, SequenceView, hookimpl
+from mindie_host.api import EngineContext, SequenceView, hookimpl
 
 
 class Params(BaseModel):
@@ -24,7 +24,7 @@ class Params(BaseModel):
 
 
 @hookimpl
-def mindie_host_preemption_victim(ctx: SchedulingContext, running: list[SequenceView]) -> SequenceView:
+def mindie_host_preemption_victim(ctx: EngineContext, running: list[SequenceView]) -> SequenceView:
     """The candidate with the fewest computed tokens (ties: the latest arrival)."""
     if ctx.params.respectPriority:
         lowest = max(s.priority for s in running)

@@ -8,7 +8,7 @@ from typing import Any
 import mindie_evict_least_progress as plugin
 import pytest
 
-from mindie_host.api import EngineRequest, PluginError, SamplingParams, SchedulingContext, hookimpl
+from mindie_host.api import EngineContext, EngineRequest, PluginError, SamplingParams, hookimpl
 from mindie_host.testing import loaded_host, make_tiny_llama, run_engine, server_config
 
 
@@ -19,7 +19,7 @@ class VictimRecorder:
         self.choices: list[tuple[list[tuple[int, int, int]], int]] = []
 
     @hookimpl(wrapper=True)
-    def mindie_host_preemption_victim(self, ctx: SchedulingContext, running: list[Any]) -> Any:
+    def mindie_host_preemption_victim(self, ctx: EngineContext, running: list[Any]) -> Any:
         victim = yield
         self.choices.append(([(s.seq_id, s.priority, s.num_computed) for s in running], victim.seq_id))
         return victim

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mindie_host.api import hookimpl
+from mindie_host.api import BackendContext, hookimpl
 from mindie_host.backend_api import Architecture, DecoderLayer, ModelArch, Step, dense_attention, dense_mlp
 
 
@@ -64,6 +64,6 @@ GRANITE = GraniteFamily()
 
 
 @hookimpl
-def mindie_host_model_architectures() -> list[Architecture]:
+def mindie_host_model_architectures(ctx: BackendContext) -> list[Architecture]:
     """The Granite family."""
     return [GRANITE]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from mindie_host.api import SchedulingContext, SequenceView, hookimpl
+from mindie_host.api import EngineContext, SequenceView, hookimpl
 
 
 class Params(BaseModel):
@@ -22,7 +22,7 @@ class Params(BaseModel):
 
 
 @hookimpl
-def mindie_host_order_waiting(ctx: SchedulingContext, waiting: list[SequenceView], now: float) -> list[SequenceView]:
+def mindie_host_order_waiting(ctx: EngineContext, waiting: list[SequenceView], now: float) -> list[SequenceView]:
     """Fewest prompt tokens left first; every waited second counts as ``agingTokensPerSecond`` fewer."""
     rate = ctx.params.agingTokensPerSecond
     return sorted(waiting, key=lambda s: (s.num_uncomputed - rate * (now - s.arrival_time), s.arrival_time))
