@@ -102,6 +102,8 @@ SHOWN_BY: dict[tuple[str, Any], str] = {
         "tests/test_compiled_decode.py::test_the_step_compiles_in_the_background_and_gives_the_eager_tokens",
     (f"{M}.compile", True):
         "tests/test_compiled_decode.py::test_the_step_compiles_in_the_background_and_gives_the_eager_tokens",
+    **{(f"{M}.expertParallel", v):
+       "plugins/models/tests/test_expert_parallel.py::test_two_expert_parallel_ranks_equal_one" for v in (False, True)},
     (f"{S}.templateType", "Standard"): "plugins/splitfuse/tests/test_splitfuse_server.py::test_outputs_identical_to_standard",
     (f"{S}.templateType", "Mix"): "plugins/splitfuse/tests/test_splitfuse_server.py::test_outputs_identical_to_standard",
     **{(f"{S}.prefillPolicyType", v): "tests/test_policy.py::test_decode_policies_follow_a_hand_worked_schedule"

@@ -245,7 +245,9 @@ class ModelConfig:
     values (``none``), or serves the decoder's linear layers in int8 (``w8a16``: int8 weights;
     ``w8a8``: int8 weights and per-token int8 activations; docs/quantization.md); ``compile`` runs decode steps
     of up to 16 sequences through ``torch.compile`` on CPU (compiled at start-up) and replays
-    decode steps from CUDA graphs on CUDA (captured at start-up); ``maxKvBlocks`` caps the KV-cache pool
+    decode steps from CUDA graphs on CUDA (captured at start-up); ``expertParallel`` gives each tensor-parallel rank
+    ``1/worldSize`` of a mixture-of-experts model's routed experts whole instead of every expert's share of channels
+    (torch backend; docs/scale-out.md); ``maxKvBlocks`` caps the KV-cache pool
     below what the memory budget allows (0 = no cap); the sampling keys (``temperature`` ...
     ``do_sample``) are per-model defaults for requests that leave them out (``None`` = not
     set, fall back to the model's generation config).
@@ -272,6 +274,7 @@ class ModelConfig:
     device: str = json_key("auto", one_of("auto", "cpu", "cuda", "npu"))
     quantization: str = json_key("auto", one_of("auto", "none", "w8a16", "w8a8"))
     compile: bool = json_key(False, BOOL)
+    expertParallel: bool = json_key(False, BOOL)
     maxKvBlocks: int = json_key(0, int_range(0, INT32_MAX))  # 0 = as many as the memory budget allows
     temperature: float | None = json_key(None, num_range(0, 2, nullable=True))
     top_k: int | None = json_key(None, int_range(0, INT32_MAX, nullable=True))

@@ -61,6 +61,12 @@ def unsupported(config: Config) -> list[str]:
     if srv.inferMode == "dmi":
         errors.extend(_dmi_errors(config))
     errors.extend(_mock_errors(config))
+    if config.model.expertParallel and config.model.backendType != "torch":
+        errors.append(
+            f"BackendConfig.ModelDeployConfig.ModelConfig[0].expertParallel: got true with backendType "
+            f"{config.model.backendType!r}; expert parallelism is served by backendType 'torch' only: set backendType "
+            "'torch' or expertParallel false"
+        )
     if be.ScheduleConfig.policyType == 7:
         errors.append(
             "BackendConfig.ScheduleConfig.policyType: got 7 (SJF-MLFQ); allowed 0 (FCFS), 4 (SJF), 5 (LJF) or 6 "
@@ -115,7 +121,7 @@ def plugin_needs(config: Config) -> list[str]:
 
 
 #: ModelConfig keys that choose how a model is loaded and run: with StandardMock (no model) they have no effect
-MOCK_NO_EFFECT = ("backendType", "dtype", "kvCacheDtype", "device", "quantization", "compile")
+MOCK_NO_EFFECT = ("backendType", "dtype", "kvCacheDtype", "device", "quantization", "compile", "expertParallel")
 
 
 def _mock_errors(config: Config) -> list[str]:
@@ -179,6 +185,9 @@ def no_effect(config: Config) -> list[str]:
         scoped += [(f"BackendConfig.{k}", getattr(be, k), getattr(default.BackendConfig, k),
                     "multi-node inference: the spec uses it with multiNodesInferEnabled true only")
                    for k in ("interNodeTLSEnabled", "multiNodesInferPort")]
+    if config.model.worldSize == 1 and not be.multiNodesInferEnabled:
+        scoped.append(("BackendConfig.ModelDeployConfig.ModelConfig[0].expertParallel", config.model.expertParallel,
+                       False, "worldSize 1: the one rank holds every expert"))
     notes += [f"{path} is {value!r}: no effect here ({why})" for path, value, base_value, why in scoped
               if value != base_value]
     for path, value, default_value in config_leaves(config, default, ""):

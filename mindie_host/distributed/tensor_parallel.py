@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 #: ``(dim, start, stop)``: the slice of a tensor a rank reads, along ``dim`` (0 = rows, 1 = columns).
 Slice = tuple[int, int, int]
+#: the :data:`Slice` of a tensor another rank holds whole (an expert of another rank under expert parallelism): this
+#: rank does not read it at all
+ELSEWHERE: Slice = (-1, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -34,18 +37,27 @@ class TensorParallel:
     """One rank's place in a tensor-parallel world, and the collectives of its decoder step.
 
     ``group`` is the ``torch.distributed`` process group of the world (``None``: the default group);
-    ``device_index`` is the rank's device (``BackendConfig.npuDeviceIds``; one CPU serves every rank).
+    ``device_index`` is the rank's device (``BackendConfig.npuDeviceIds``; one CPU serves every rank);
+    ``expert_parallel``: a family with routed experts gives each rank ``1/N`` of them whole
+    (:meth:`expert_span`) instead of ``1/N`` of every expert's channels (``ModelConfig.expertParallel``).
     """
 
     rank: int
     world_size: int
     group: Any = None
     device_index: int = 0
+    expert_parallel: bool = False
 
     def span(self, total: int) -> tuple[int, int]:
         """This rank's equal share ``[start, stop)`` of ``total`` items (``total`` divisible by the world size)."""
         per = total // self.world_size
         return self.rank * per, (self.rank + 1) * per
+
+    def expert_span(self, experts: int, index: int) -> Slice | None:
+        """Under expert parallelism, the slice this rank reads of a tensor of expert ``index`` of ``experts``: all of
+        it (None) when the expert is in this rank's :meth:`span`, :data:`ELSEWHERE` when another rank's."""
+        lo, hi = self.span(experts)
+        return None if lo <= index < hi else ELSEWHERE
 
     def vocab_span(self, vocab: int) -> tuple[int, int]:
         """This rank's rows ``[start, stop)`` of a vocabulary of ``vocab`` rows; every rank pads to

@@ -293,6 +293,14 @@ class Architecture:
         MLP channels); empty when they can."""
         return []
 
+    def expert_parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
+        """Why ``world_size`` ranks cannot each hold ``1/world_size`` of this model's routed experts whole
+        (``ModelConfig.expertParallel``, :attr:`TensorParallel.expert_parallel
+        <mindie_host.distributed.tensor_parallel.TensorParallel.expert_parallel>`), beyond the heads and MLP
+        channels every family checks; ``key`` names the config key. The default: the family has no routed experts."""
+        return [f"{key}: got true, but the {self.name} family has no routed experts to place on the ranks; "
+                "allowed: false"]
+
     def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
         """Where per-row linear deltas (:class:`~mindie_host.backend_api.LinearDeltas`) do not reach: projection
         (``qkv``, ``o``, ``gate_up``, ``down``) -> {layer: why}. Empty (the default): the dense layer takes them at

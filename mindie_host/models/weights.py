@@ -122,7 +122,7 @@ def load_arch(source: ModelSource, architectures: Architectures | None = None) -
 
 # -- weights -------------------------------------------------------------------------------
 #: Which slice of an HF-named tensor to read: ``(dim, start, stop)``, or ``None`` for all of it.
-Sharding = Callable[[str], "tuple[int, int, int] | None"]
+Sharding = Callable[[str], "tuple[int, int, int] | None"]  # ELSEWHERE (dim -1): not read by this rank
 
 
 def iter_weights(
@@ -179,7 +179,8 @@ def _iter_gguf(path: Path, arch: ModelArch, family: Architecture,
         if len(mapped) == 1 and len(mapped[0][1]) == 1 and mapped[0][1][0].rows is None:
             (name, (piece,)), = mapped
             part = shard(piece.name) if shard is not None else None
-            yield piece.name, family.from_gguf(name, _gguf_slice(tensor, shape, part), arch)
+            if part is None or part[0] >= 0:
+                yield piece.name, family.from_gguf(name, _gguf_slice(tensor, shape, part), arch)
             continue
         whole = _gguf_slice(tensor, shape, None)
         for index, (name, pieces) in enumerate(mapped):
@@ -187,6 +188,8 @@ def _iter_gguf(path: Path, arch: ModelArch, family: Architecture,
             for piece in pieces:
                 rows = array if piece.rows is None else array[piece.rows[0] : piece.rows[1]]
                 part = shard(piece.name) if shard is not None else None
+                if part is not None and part[0] < 0:
+                    continue  # another rank's
                 if part is not None:
                     dim, lo, hi = part
                     rows = rows[lo:hi] if dim == 0 else rows[:, lo:hi]
@@ -400,6 +403,8 @@ def _iter_safetensors(directory: Path, arch: ModelArch, family: Architecture,
                     continue
                 for piece in family.tensor_pieces(key, arch):
                     part = shard(piece.name) if shard is not None else None
+                    if part is not None and part[0] < 0:
+                        continue  # another rank's (never read)
                     tensor = _read_piece(st, key, piece, part).float()
                     if key + FP8_SCALE in scales:
                         assert block is not None

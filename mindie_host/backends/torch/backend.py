@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,9 @@ from .model import DecoderModel
 from .precompile import PrecompileSpec
 
 log = logging.getLogger("mindie_host.backends.torch")
+
+#: the config key that turns expert parallelism on
+EXPERT_PARALLEL_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].expertParallel"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,14 +99,17 @@ class TorchBackend(ModelBackend):
         platform: Platform | None = None,
         progress: Any = None,
         architectures: Architectures | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         self.source = source
+        #: each rank holds its share of a mixture's routed experts whole (``ModelConfig.expertParallel``)
+        self.expert_parallel = expert_parallel
         self.name = name
         self.architectures = architectures
         #: what a compile process needs to build the same backend (platform and progress aside)
         self._init_kwargs: dict[str, Any] = dict(
             source=source, name=name, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-            compile_decode=compile_decode, decode_graphs=decode_graphs,
+            compile_decode=compile_decode, decode_graphs=decode_graphs, expert_parallel=expert_parallel,
         )
         self._compile_child: subprocess.Popen[bytes] | None = None
         self.platform = platform or select_platform("auto")
@@ -162,7 +169,11 @@ class TorchBackend(ModelBackend):
     def parallel_errors(self, world_size: int, key: str) -> list[str]:
         family = self._family()
         arch = load_arch(self.source, self.architectures)
-        errors = parallel_errors(arch, world_size, key) + family.parallel_errors(arch, world_size, key)
+        errors = parallel_errors(arch, world_size, key)
+        if self.expert_parallel:
+            errors += family.expert_parallel_errors(arch, world_size, EXPERT_PARALLEL_KEY)
+        else:
+            errors += family.parallel_errors(arch, world_size, key)
         if self.quantization not in ("auto", "none"):
             errors.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].quantization: got {self.quantization!r} "
                           f"with {key} {world_size}; allowed with tensor parallelism: auto, none")
@@ -174,7 +185,7 @@ class TorchBackend(ModelBackend):
         return self.platform.dist_backend
 
     def bind_parallel(self, tp: TensorParallel) -> None:
-        self.tp = tp
+        tp = self.tp = dataclasses.replace(tp, expert_parallel=self.expert_parallel)
         self.platform.bind_device(tp.device_index)
         if self.compile_decode or self.decode_graphs:
             if tp.rank == 0:
@@ -200,6 +211,11 @@ class TorchBackend(ModelBackend):
         family = self.family = self._family()
         arch = load_arch(self.source, self.architectures)
         self.arch = self.full_arch = arch
+        if self.expert_parallel:
+            errors = family.expert_parallel_errors(arch, 1 if self.tp is None else self.tp.world_size,
+                                                   EXPERT_PARALLEL_KEY)
+            if errors:
+                raise ModelLoadError("; ".join(errors))
         if self.platform.device_type == "cpu" and cpu_extensions.enabled():  # built while the weights load
             self._kernel_build = threading.Thread(target=cpu_extensions.kernels, name="mindie-host-kernels",
                                                   daemon=True)

@@ -32,4 +32,5 @@ def mindie_host_model_backend(ctx: Any, backend_type: str) -> TorchBackend | Non
         compile_decode=model_config.compile,
         platform=select_platform(model_config.device),
         architectures=ctx.architectures,
+        expert_parallel=model_config.expertParallel,
     )

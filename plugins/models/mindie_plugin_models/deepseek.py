@@ -45,7 +45,7 @@ from mindie_host.backend_api import (
     dense_mlp,
 )
 
-from .moe import SparseMoE, stacked_experts
+from .moe import SparseMoE, expert_errors, expert_shard, stacked_experts
 
 log = logging.getLogger(__name__)
 
@@ -327,11 +327,11 @@ class DeepseekV3Family(Architecture):
             return 0, lo, hi
         if ".self_attn." in name or ".mlp.gate." in name:
             return None
-        for part, size in ((".mlp.experts.", o["moe_intermediate_size"]),
-                           (".mlp.shared_experts.", o["moe_intermediate_size"] * o["shared_experts"])):
-            if part in name:
-                a, b = tp.span(size)
-                return (1, a, b) if name.endswith("down_proj.weight") else (0, a, b)
+        if ".mlp.experts." in name:
+            return expert_shard(name, o["num_experts"], o["moe_intermediate_size"], tp)
+        if ".mlp.shared_experts." in name:  # channel-split, with or without expert parallelism
+            a, b = tp.span(o["moe_intermediate_size"] * o["shared_experts"])
+            return (1, a, b) if name.endswith("down_proj.weight") else (0, a, b)
         return tp.slice_of(name, arch)
 
     def parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
@@ -339,6 +339,16 @@ class DeepseekV3Family(Architecture):
         size = arch.options["moe_intermediate_size"]
         return [] if size % world_size == 0 else [
             f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
+
+    def expert_parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
+        """The routed experts must divide evenly over the ranks; the shared experts' channels (still split) too."""
+        o = arch.options
+        errors = expert_errors(self.name, o["num_experts"], world_size, key)
+        shared = o["moe_intermediate_size"] * o["shared_experts"]
+        if shared % world_size:
+            errors.append(f"{key}: got true with {world_size} ranks, which do not divide the shared experts' {shared} "
+                          "intermediate channels (split over the ranks as under tensor parallelism)")
+        return errors
 
     def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
         """Every layer's attention (latent attention has no q/k/v/o projections of the dense form) and the MLP of
@@ -393,8 +403,8 @@ class DeepseekV3Family(Architecture):
             mlp: Any = dense_mlp(arch, index, weights)
         else:
             router = self.router(p, arch, weights)
-            gate_up, down = stacked_experts(weights, p + "mlp.experts.", o["num_experts"])
-            mlp = SparseMoE(router=router, gate_up=gate_up, down=down)
+            first, gate_up, down = stacked_experts(weights, p + "mlp.experts.", o["num_experts"])
+            mlp = SparseMoE(router=router, gate_up=gate_up, down=down, first=first)
             if o["shared_experts"]:
                 s = p + "mlp.shared_experts."
                 mlp = SharedAndRouted(mlp, GatedMLP(layer=index, gate_up=weights.linear(s + "gate_proj.weight",

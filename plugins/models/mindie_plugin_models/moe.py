@@ -12,7 +12,10 @@ skips) keep a dense MLP. Mixtral is Mistral's attention; its ``block_sparse_moe.
 the canonical ``mlp.experts.N.gate_proj/up_proj/down_proj`` names.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate channels (like the dense MLP's
-split), and the output is reduced over the ranks. The int8 weight schemes quantize the attention's products and the
+split), and the output is reduced over the ranks. With expert parallelism (``ModelConfig.expertParallel``) a rank holds
+``E / worldSize`` whole experts instead (and reads no other expert's tensors); every rank has every token of the
+step, so it runs its own experts' rows and the same all-reduce sums the ranks' partial outputs (what an all-to-all
+dispatch and combine would give for this layout, without moving the tokens). The int8 weight schemes quantize the attention's products and the
 dense layers' MLPs; the experts stay in the model's dtype (the log line says so).
 """
 
@@ -63,23 +66,26 @@ class SparseMoE:
     """Routed gated experts over a step's tokens (``h [T, H] -> [T, H]``): ``router(h)`` gives each token's experts
     and weights; each chosen expert runs once over all its tokens."""
 
-    def __init__(self, *, router: Any, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        #: ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``
+    def __init__(self, *, router: Any, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0) -> None:
+        #: ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``: the experts ``first ..`` this rank holds
         self.router, self.gate_up, self.down = router, gate_up, down
-        self.num_experts = gate_up.shape[0]
+        self.first, self.held = first, gate_up.shape[0]
 
     def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         weights, experts = self.router(h)
         top_k = experts.shape[-1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.first + self.held)
+        start = int(counts[: self.first].sum())  # the (token, expert) pairs of the experts before this rank's
+        mine = counts[self.first : self.first + self.held].tolist()
+        order = order[start : start + sum(mine)]
         tokens = order // top_k
         slot_weights = weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         x = h.index_select(0, tokens)
         out = torch.zeros_like(h)
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(mine):
             if not count:
                 continue
             rows = slice(start, start + count)
@@ -90,13 +96,35 @@ class SparseMoE:
         return out if step.tp is None else step.tp.all_reduce(out)
 
 
-def stacked_experts(weights: Any, prefix: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts ``{prefix}{i}.{gate,up,down}_proj.weight`` as ``[E, 2I, H]`` gate/up and ``[E, H, I]`` down stacks."""
+def stacked_experts(weights: Any, prefix: str, count: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The experts ``{prefix}{i}.{gate,up,down}_proj.weight`` the loader read (all ``count``, or under expert
+    parallelism this rank's consecutive share) as ``(first, [E, 2I, H] gate/up, [E, H, I] down)``."""
+    held = [i for i in range(count) if weights.has(f"{prefix}{i}.down_proj.weight")]
+    if not held or held != list(range(held[0], held[0] + len(held))):
+        raise ModelLoadError(f"the checkpoint's experts {prefix}N: expected consecutive ones of {count}, got {held}")
     gate_up = torch.stack(
         [torch.cat([weights.tensor(f"{prefix}{i}.gate_proj.weight"), weights.tensor(f"{prefix}{i}.up_proj.weight")])
-         for i in range(count)]
+         for i in held]
     )
-    return gate_up, torch.stack([weights.tensor(f"{prefix}{i}.down_proj.weight") for i in range(count)])
+    return held[0], gate_up, torch.stack([weights.tensor(f"{prefix}{i}.down_proj.weight") for i in held])
+
+
+def expert_shard(name: str, experts: int, size: int, tp: Any) -> tuple[int, int, int] | None:
+    """The slice rank ``tp`` reads of routed-expert tensor ``name`` (``...experts.N.{gate,up,down}_proj.weight``):
+    expert ``N`` whole or not at all under expert parallelism, else its share of the ``size`` channels."""
+    if tp.expert_parallel:
+        return tp.expert_span(experts, int(name.split(".mlp.experts.", 1)[1].split(".", 1)[0]))
+    lo, hi = tp.span(size)
+    return (1, lo, hi) if name.endswith("down_proj.weight") else (0, lo, hi)
+
+
+def expert_errors(family: str, experts: int, world_size: int, key: str) -> list[str]:
+    """Why ``world_size`` ranks cannot hold ``experts`` routed experts in equal whole shares."""
+    if experts % world_size == 0:
+        return []
+    allowed = [d for d in range(1, experts + 1) if experts % d == 0]
+    return [f"{key}: got true with {world_size} ranks, which do not divide the {family} model's {experts} routed "
+            f"experts evenly; allowed world sizes: {', '.join(map(str, allowed))} (or expertParallel false)"]
 
 
 class MoEFamily(Architecture):
@@ -132,8 +160,7 @@ class MoEFamily(Architecture):
     def shard(self, name: str, arch: ModelArch, tp: Any) -> tuple[int, int, int] | None:
         """Each expert's intermediate channels split as the dense MLP's are; the router whole on every rank."""
         if ".mlp.experts." in name:
-            lo, hi = tp.span(arch.options["moe_intermediate_size"])
-            return (1, lo, hi) if name.endswith("down_proj.weight") else (0, lo, hi)
+            return expert_shard(name, arch.options["num_experts"], arch.options["moe_intermediate_size"], tp)
         return tp.slice_of(name, arch)
 
     def parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
@@ -142,6 +169,10 @@ class MoEFamily(Architecture):
         if size % world_size:
             return [f"{key}: got {world_size}; it must divide the experts' {size} intermediate channels"]
         return []
+
+    def expert_parallel_errors(self, arch: ModelArch, world_size: int, key: str) -> list[str]:
+        """The experts must divide evenly over the ranks (each expert's channels stay whole)."""
+        return expert_errors(self.name, arch.options["num_experts"], world_size, key)
 
     def delta_gaps(self, arch: ModelArch) -> dict[str, dict[int, str]]:
         """The sparse layers' MLP projections: a per-row delta would need each routed expert's own."""
@@ -154,10 +185,10 @@ class MoEFamily(Architecture):
         """The shared attention with :class:`SparseMoE` (or the dense MLP on a dense layer)."""
         p = f"model.layers.{index}."
         if index in arch.options["sparse_layers"]:
-            gate_up, down = stacked_experts(weights, p + "mlp.experts.", arch.options["num_experts"])
+            first, gate_up, down = stacked_experts(weights, p + "mlp.experts.", arch.options["num_experts"])
             router = SoftmaxRouter(weights.tensor(p + "mlp.gate.weight"), top_k=arch.options["top_k"],
                                    renormalize=arch.options["renormalize"], float_weights=self.float_weights)
-            mlp: Any = SparseMoE(router=router, gate_up=gate_up, down=down)
+            mlp: Any = SparseMoE(router=router, gate_up=gate_up, down=down, first=first)
         else:
             mlp = dense_mlp(arch, index, weights)
         if index == 0 and weights.stored:

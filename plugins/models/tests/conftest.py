@@ -227,3 +227,24 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def served_with_logprobs(
+    cfg: dict[str, Any], batch: list[list[int]], check: Callable[[Any], None] | None = None, new: int = 12,
+) -> list[tuple[list[int], list[float]]]:
+    """Each prompt of ``batch``'s ``new`` greedy tokens and prompt logprobs, served by an engine of config ``cfg``
+    (one engine for the batch); ``check(backend)`` looks at the loaded backend first."""
+    from mindie_host.api import EngineRequest, SamplingParams
+    from mindie_host.testing import loaded_host, run_engine
+
+    host = loaded_host(cfg)
+    try:
+        if check is not None:
+            check(host.backend)
+        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=new, ignore_eos=True, prompt_logprobs=0))
+                for i, p in enumerate(batch)]
+        out = run_engine(host, reqs)
+    finally:
+        host.shutdown()
+    return [(out[f"r{i}"].token_ids, [lp.logprob for lp in out[f"r{i}"].prompt_logprobs[1:]])
+            for i in range(len(batch))]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mindie_host.api import EngineRequest, SamplingParams
-from mindie_host.testing import loaded_host, run_engine, server_config
+from conftest import served_with_logprobs
+from mindie_host.testing import server_config
 
 BLOCK = 32
 PROMPTS = [[300 + 7 * i for i in range(n)] for n in (9, 23)]
@@ -55,15 +55,7 @@ def _copies(src: Path, out: Path) -> tuple[Path, Path]:
 def _served(path: Path, world: int = 1) -> list[tuple[list[int], list[float]]]:
     cfg = server_config(path, model={"dtype": "float32", "quantization": "none", "worldSize": world})
     cfg["BackendConfig"]["npuDeviceIds"] = [list(range(world))]
-    host = loaded_host(cfg)
-    try:
-        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=0))
-                for i, p in enumerate(PROMPTS)]
-        out = run_engine(host, reqs)
-    finally:
-        host.shutdown()
-    return [(out[f"r{i}"].token_ids, [lp.logprob for lp in out[f"r{i}"].prompt_logprobs[1:]])
-            for i in range(len(PROMPTS))]
+    return served_with_logprobs(cfg, PROMPTS)
 
 
 def test_fp8_block_scaled_checkpoint_equals_its_dequantized_weights(
