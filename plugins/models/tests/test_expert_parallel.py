@@ -59,3 +59,28 @@ def test_expert_parallel_refused_where_it_cannot_serve(
     with pytest.raises(Exception, match="expertParallel") as info:
         load_host(_config(tiny_family(name), world, expertParallel=True, **model))
     assert error in str(info.value)
+
+
+def test_rank_one_reads_only_its_experts_and_one_rank_is_told_it_has_no_effect(
+    tiny_family: Callable[[str], Path],
+) -> None:
+    """The loader hands rank 1 of 2 experts 4..7 of each DeepSeek-V2 sparse layer, each whole, and none of the others
+    (their tensors are never read); with worldSize 1 the key is reported as having no effect."""
+    from mindie_plugin_models.deepseek import DEEPSEEK_V2 as family
+
+    from mindie_host.backend_api import Architectures, iter_weights, load_arch
+    from mindie_host.config import config_from_dict
+    from mindie_host.config.support import no_effect
+    from mindie_host.distributed.tensor_parallel import TensorParallel
+    from mindie_host.models.weights import resolve_model
+
+    source = resolve_model(tiny_family("deepseek_v2"))
+    arch = load_arch(source, Architectures.of(family))
+    tp = TensorParallel(1, 2, expert_parallel=True)
+    read = dict(iter_weights(source, arch, lambda name: family.shard(name, arch, tp), family))
+    experts = {int(name.split(".mlp.experts.")[1].split(".")[0]) for name in read if ".mlp.experts." in name}
+    assert experts == {4, 5, 6, 7}
+    assert read["model.layers.1.mlp.experts.4.down_proj.weight"].shape == (128, 64)  # [hidden, every channel]
+    assert read["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (128, 64)  # 2 x 64 channels, halved
+    notes = no_effect(config_from_dict(_config(tiny_family("deepseek_v2"), expertParallel=True)))
+    assert any("ModelConfig[0].expertParallel is True: no effect here (worldSize 1" in n for n in notes), notes
