@@ -3,7 +3,7 @@
 :class:`LLMEngine` is synchronous and single-threaded; :mod:`.async_engine` runs it on a
 worker thread. Each step the :class:`~.scheduler.Scheduler` plans what runs (the policy hooks
 decide, the KV-cache manager holds the blocks), this module flattens the plan into the
-backend's :class:`~mindie_host.backends.base.ModelInput`, runs the forward pass and samples,
+backend's :class:`~mindie_host.backends.base.ModelInput` (:mod:`.step_input`), runs the forward pass and samples,
 and the :class:`~.outputs.OutputProcessor` appends the tokens, applies the stop rules and
 builds the outputs. With a KV connector, the :class:`~.handoff.Handoff` reports transfers as
 events that the loop applies before scheduling.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..backends.base import ModelBackend, ModelInfo, ModelInput, PayloadSlice
+from ..backends.base import ModelBackend, ModelInfo
 from .handoff import TRANSFER_FAILED_STATUS, Handoff, HoldEnded
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector
@@ -32,6 +32,7 @@ from .sampling import Sampler, make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculation import DraftOutcome, Drafts, Speculator
+from .step_input import build_step_input
 from .swap import SwapSpace
 
 log = logging.getLogger("mindie_host.engine")
@@ -191,10 +192,10 @@ class LLMEngine:
                 time.sleep(0.002)  # only transfers in flight: poll them without spinning a core
             return outputs
         drafts = self.speculator.propose(plan) if self.speculator.active() else {}
-        batch, samplers, verifying = self._build_input(plan, drafts)
+        step = build_step_input(plan, drafts, self.kv)
         t0 = time.perf_counter()
         try:
-            logits = self.backend.execute(batch)
+            logits = self.backend.execute(step.batch)
         except Exception:  # one batch fails, the server goes on
             log.exception("backend failed on a batch of %d sequences", len(plan.scheduled))
             message = "backend error: the model failed on this request's batch; the server log has the details"
@@ -204,87 +205,11 @@ class LLMEngine:
             return outputs
         self.last_step_time = time.perf_counter() - t0
         self.counters["steps"] += 1
-        self.counters["batched_tokens"] += len(batch.input_ids)
-        outputs.extend(self._process(plan, logits, samplers))
-        if verifying:
-            outputs.extend(self._verify(logits, verifying))
+        self.counters["batched_tokens"] += len(step.batch.input_ids)
+        outputs.extend(self._process(plan, logits, step.samplers))
+        if step.verifying:
+            outputs.extend(self._verify(logits, step.verifying))
         return outputs
-
-    # -- forward input ------------------------------------------------------------------------
-    def _build_input(
-        self, plan: StepPlan, drafts: dict[int, Drafts]
-    ) -> tuple[ModelInput, list[tuple[Sequence, int, int]], list[tuple[Sequence, int, Drafts]]]:
-        """Flatten the plan; returns the input, (seq, first logits row, rows) for sampling and (seq, first
-        logits row, drafts) for verification.
-
-        A sequence with drafts brings its last token and the drafts, each as a one-token decode row of its
-        own (a query of one at its position, over the sequence's block table, with the context up to it):
-        the backend computes every such row as it computes a plain decode row there.
-        """
-        verifying: list[tuple[Sequence, int, Drafts]] = []
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_idx: list[int] = []
-        variants: list[int] = []
-        prompt_lens: list[int] = []
-        samplers: list[tuple[Sequence, int, int]] = []
-        payloads: list[PayloadSlice] | None = None
-        for seq, n in plan.scheduled:  # type: ignore[assignment]
-            start = seq.num_computed
-            flat0 = len(ids)
-            draft = drafts.get(seq.seq_id)
-            if draft is not None:
-                table = self.kv.block_table(seq)
-                for j, token in enumerate([seq.token_ids[start], *draft.tokens]):
-                    ids.append(token)
-                    positions.append(start + j)
-                    q_lens.append(1)
-                    ctx_lens.append(start + j + 1)
-                    tables.append(table)
-                    variants.append(seq.variant)
-                    prompt_lens.append(seq.prompt_len)
-                verifying.append((seq, len(logits_idx), draft))
-                logits_idx.extend(range(flat0, len(ids)))
-                continue
-            if seq.request.payload is not None:  # plugin-owned (e.g. images); the backend reads it
-                payloads = payloads or []
-                payloads.append(PayloadSlice(len(q_lens), flat0, start, n, seq.request.payload))
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            q_lens.append(n)
-            ctx_lens.append(start + n)
-            tables.append(self.kv.block_table(seq))
-            variants.append(seq.variant)
-            prompt_lens.append(seq.prompt_len)
-            want_prompt = seq.request.sampling.prompt_logprobs is not None and start < seq.prompt_len
-            completes = start + n == seq.num_tokens
-            if want_prompt:
-                rows = list(range(flat0, flat0 + n))
-            elif completes:
-                rows = [flat0 + n - 1]
-            else:
-                rows = []
-            if rows:
-                samplers.append((seq, len(logits_idx), len(rows)))
-                logits_idx.extend(rows)
-        return (
-            ModelInput(
-                input_ids=ids,
-                positions=positions,
-                query_lens=q_lens,
-                context_lens=ctx_lens,
-                block_tables=tables,
-                logits_indices=logits_idx or [len(ids) - 1],
-                row_variants=variants,
-                payloads=payloads,
-                prompt_lens=prompt_lens,
-            ),
-            samplers,
-            verifying,
-        )
 
     # -- after the forward pass ------------------------------------------------------------------
     def _process(
