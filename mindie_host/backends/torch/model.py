@@ -185,26 +185,6 @@ class DecoderModel:
             out[key] = (torch.cat(cos), torch.cat(sin))
         return out
 
-    def mrope_tables(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[n, head_dim]`` for multimodal RoPE (Qwen2-VL's ``mrope_section``).
-
-        ``positions`` is ``[3, n]`` (temporal, height, width position of each token); the
-        rotary frequencies are split into ``section`` (summing to ``head_dim // 2``) and
-        part ``i`` rotates by axis ``i % 3``. Equal axes give the 1-D tables.
-        """
-        parts_cos, parts_sin, lo = [], [], 0
-        half = self.arch.head_dim // 2
-        pos = positions.to(self.device)
-        for i, width in enumerate(section):
-            axis = pos[i % 3]
-            parts_cos.append(self.cos[axis, lo : lo + width])
-            parts_sin.append(self.sin[axis, lo : lo + width])
-            lo += width
-        if lo != half:
-            raise ValueError(f"mrope_section {section} must sum to head_dim // 2 = {half}")
-        cos, sin = torch.cat(parts_cos, dim=-1), torch.cat(parts_sin, dim=-1)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-
     # -- per-step metadata ---------------------------------------------------------------
     def build_metadata(self, batch: ModelInput, block_size: int) -> AttentionMetadata:
         """Slot mapping, gather indices and causal mask for one step (shared by all layers)."""
@@ -270,7 +250,7 @@ class DecoderModel:
 
         ``embeds`` = ``(rows, values)`` replaces the token embeddings of flat rows ``rows`` by
         ``values`` (``[len(rows), hidden]``; e.g. image features at placeholder tokens); ``rope``
-        gives every token's cos and sin ``[n, rotary_dim]`` (e.g. from :meth:`mrope_tables`) instead
+        gives every token's cos and sin ``[n, rotary_dim]`` (e.g. multimodal RoPE's, made from :attr:`cos` and :attr:`sin`) instead
         of the tables at ``batch.positions``, for every layer. Both are for backends that extend this model; a
         text-only step passes neither. ``deltas`` adds per-row deltas after the named projections
         (:class:`~mindie_host.backends.base.LinearDeltas`) when a row runs a model variant.

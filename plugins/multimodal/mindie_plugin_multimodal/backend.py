@@ -22,7 +22,7 @@ import torch
 from mindie_host.api import ModelInfo, ModelInput
 from mindie_host.backend_api import DecoderModel, TorchBackend
 
-from .inputs import ImageItem, MultimodalPayload
+from .inputs import ImageItem, MultimodalPayload, mrope_tables
 from .models import ModelSpec, VisionEncoder, read_spec, read_weights, text_arch
 
 log = logging.getLogger("mindie_plugin_multimodal")
@@ -121,4 +121,4 @@ class MultimodalTorchBackend(TorchBackend):
             if end > payload.prompt_len:
                 first = s.flat_start + max(in_prompt, 0)
                 pos[:, first : s.flat_start + s.length] += payload.delta
-        return self.model.mrope_tables(pos, self.spec.mrope_section)
+        return mrope_tables(self.model.cos, self.model.sin, pos.to(self.model.cos.device), self.spec.mrope_section)

@@ -112,3 +112,25 @@ def mrope_positions(num_tokens: int, images: list[ImageItem], merge: int) -> tup
         parts.append(torch.arange(cur, cur + num_tokens - at).expand(3, -1))
     pos = torch.cat(parts, dim=1)
     return pos, int(pos.max()) + 1 - num_tokens
+
+
+def mrope_tables(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[n, rotary_dim]`` for multimodal RoPE (Qwen2-VL's ``mrope_section``), from the language
+    model's own 1-D tables ``cos``, ``sin`` (``[positions, rotary_dim]``, each frequency twice).
+
+    ``positions`` is ``[3, n]`` (temporal, height, width position of each token, on the tables' device); the
+    rotary frequencies are split into ``section`` (summing to ``rotary_dim // 2``) and part ``i`` rotates by axis
+    ``i % 3``. Equal axes give the 1-D tables.
+    """
+    parts_cos, parts_sin, lo = [], [], 0
+    half = cos.shape[-1] // 2
+    for i, width in enumerate(section):
+        axis = positions[i % 3]
+        parts_cos.append(cos[axis, lo : lo + width])
+        parts_sin.append(sin[axis, lo : lo + width])
+        lo += width
+    if lo != half:
+        raise ValueError(f"mrope_section {section} must sum to rotary_dim // 2 = {half}")
+    c, s = torch.cat(parts_cos, dim=-1), torch.cat(parts_sin, dim=-1)
+    return torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
