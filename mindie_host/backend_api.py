@@ -25,6 +25,7 @@ from .backends.torch.layers import (
     dense_mlp,
 )
 from .backends.torch.model import DecoderModel, TorchLlama
+from .distributed.tensor_parallel import TensorParallel
 from .models.architecture import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -66,6 +67,7 @@ __all__ = [
     "Platform",
     "Rope",
     "Step",
+    "TensorParallel",
     "TorchBackend",
     "TorchLlama",
     "base_config",

@@ -351,6 +351,14 @@ def plugin_manager(config: dict[str, Any] | Config) -> Any:
     return plugins
 
 
+def no_effect_notes(config: dict[str, Any] | Config) -> list[str]:
+    """What startup logs, and ``mindie-host config validate`` prints, as keys of ``config`` that have no effect here
+    (one note a key, naming it)."""
+    from .config.support import no_effect
+
+    return no_effect(config if isinstance(config, Config) else config_from_dict(config))
+
+
 def run_bench(argv: list[str]) -> int:
     """``mindie-host bench`` with ``argv`` in this process; returns its exit code."""
     from .bench.cli import main

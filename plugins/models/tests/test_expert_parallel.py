@@ -68,11 +68,9 @@ def test_rank_one_reads_only_its_experts_and_one_rank_is_told_it_has_no_effect(
     (their tensors are never read); with worldSize 1 the key is reported as having no effect."""
     from mindie_plugin_models.deepseek import DEEPSEEK_V2 as family
 
-    from mindie_host.backend_api import Architectures, iter_weights, load_arch
-    from mindie_host.config import config_from_dict
-    from mindie_host.config.support import no_effect
-    from mindie_host.distributed.tensor_parallel import TensorParallel
-    from mindie_host.models.weights import resolve_model
+    from mindie_host.api import resolve_model
+    from mindie_host.backend_api import Architectures, TensorParallel, iter_weights, load_arch
+    from mindie_host.testing import no_effect_notes
 
     source = resolve_model(tiny_family("deepseek_v2"))
     arch = load_arch(source, Architectures.of(family))
@@ -82,5 +80,5 @@ def test_rank_one_reads_only_its_experts_and_one_rank_is_told_it_has_no_effect(
     assert experts == {4, 5, 6, 7}
     assert read["model.layers.1.mlp.experts.4.down_proj.weight"].shape == (128, 64)  # [hidden, every channel]
     assert read["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (128, 64)  # 2 x 64 channels, halved
-    notes = no_effect(config_from_dict(_config(tiny_family("deepseek_v2"), expertParallel=True)))
+    notes = no_effect_notes(_config(tiny_family("deepseek_v2"), expertParallel=True))
     assert any("ModelConfig[0].expertParallel is True: no effect here (worldSize 1" in n for n in notes), notes
