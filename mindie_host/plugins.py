@@ -413,7 +413,12 @@ class PluginHost:
         for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
             if model.modelInstanceType != "StandardMock":  # it reads no checkpoint
                 self._enable_architecture(model, available)
-        self.pm.check_pending()
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:  # a hook no spec declares (a misspelt name): one message
+            name = self.pm.get_name(exc.plugin) or "?"
+            raise PluginError(f"plugin {name!r}: {exc}; the hooks are the functions of mindie_host/hookspecs.py "
+                              f"(docs/plugins.md, 'The hooks')") from exc
 
     def _load(self, name: str, ep: md.EntryPoint) -> None:
         """Import and register the plugin of entry point ``ep`` as ``name``."""

@@ -67,7 +67,7 @@ def test_hookimpl_without_spec_fails_loudly() -> None:
 
     host = PluginHost()
     host.register(Typo(), "typo")
-    with pytest.raises(Exception, match="unknown hook"):
+    with pytest.raises(PluginError, match="plugin 'typo': unknown hook 'mindie_host_plan_stepp'"):
         host.enable_from_config(config_from_dict(default_config_dict()))
 
 
