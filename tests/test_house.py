@@ -312,6 +312,20 @@ def test_every_hook_implementation_takes_ctx_first_and_nothing_it_carries() -> N
     assert hook_signatures_off_contract() == []
 
 
+def test_every_hook_spec_takes_ctx_first_and_nothing_it_carries() -> None:
+    """A hook added later keeps contract 3: ``ctx`` first, no config/model_config/host beside it, and a context
+    class of its own (mindie_host.context.HOOK_CONCERNS)."""
+    from mindie_host.context import HOOK_CONCERNS
+    from mindie_host.plugins import V2_ARGUMENTS
+
+    specs = [node for node in ast.parse((ROOT / "mindie_host/hookspecs.py").read_text()).body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("mindie_host_")]
+    off = [f"{node.name}({', '.join(a.arg for a in node.args.args)})" for node in specs
+           if [a.arg for a in node.args.args][:1] != ["ctx"] or {a.arg for a in node.args.args} & set(V2_ARGUMENTS)]
+    assert off == []
+    assert sorted(node.name for node in specs) == sorted(HOOK_CONCERNS)
+
+
 def test_plugins_their_tests_and_the_examples_import_only_the_public_surface() -> None:
     assert private_imports() == []
 
