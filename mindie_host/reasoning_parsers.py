@@ -5,7 +5,7 @@ Qwen3 writes ``<think>\\n...\\n</think>\\n\\nanswer``; DeepSeek-R1's and GLM-Z1'
 OpenAI response as ``reasoning_content`` (vLLM's field name), the rest is the answer's ``content``
 (and is what tool calls are parsed from).
 
-The parser is chosen through the firstresult hook ``mindie_host_reasoning_parser(ctx, model_type, host)``;
+The parser is chosen through the firstresult hook ``mindie_host_reasoning_parser(ctx, model_type)``;
 the builtin answer (:mod:`mindie_host.server.reasoning`, registered last so any plugin wins) is a
 :class:`ReasoningParser` whenever the model's chat template writes ``</think>``. A family with other
 tags subclasses it and sets ``start`` and ``end``.

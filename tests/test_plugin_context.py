@@ -1,8 +1,8 @@
-"""The typed hook context (contract v2): every hook gets its own plugin's ``ctx``.
+"""The typed hook context (plugin contract 3): every hook gets its own plugin's ``ctx``.
 
 A plugin declares ``Params`` (validated from ``Plugins.<name>``) and ``State`` (one per engine); the
-host hands each hook a frozen context of the hook's concern with the config, the model entry, the
-params, a ``mindie_host.plugins.<name>`` logger and the state.
+host hands each hook a frozen context of the hook's shape (HostContext, EngineContext, BackendContext)
+with the config, the model entry, the params, a ``mindie_host.plugins.<name>`` logger and the state.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pydantic
 import pytest
 
 from mindie_host.api import (
+    BackendContext,
     EngineContext,
     HostContext,
     PluginContext,
@@ -62,6 +63,10 @@ class Recorder:
         ctx.state.seen.append(ctx)
 
     @hookimpl
+    def mindie_host_model_architectures(self, ctx: BackendContext) -> None:
+        ctx.state.seen.append(ctx)
+
+    @hookimpl
     def mindie_host_step_outputs(self, ctx: HostContext, outputs: list[Any]) -> None:
         ctx.state.steps += 1
 
@@ -82,7 +87,7 @@ def test_each_hook_gets_a_typed_context_with_params_state_and_logger(tiny_model:
         state = server.host.plugins.state("recorder", plugin)
         metrics = server.host.stats()
     kinds = {type(c) for c in state.seen}
-    assert {HostContext, HostContext, EngineContext, EngineContext} <= kinds
+    assert {HostContext, EngineContext, BackendContext} <= kinds  # one class per shape
     for ctx in state.seen:
         assert dataclasses.is_dataclass(ctx)
         with pytest.raises(dataclasses.FrozenInstanceError):

@@ -1,6 +1,6 @@
 """Tool-call parsers per model family: generated text to OpenAI ``tool_calls``.
 
-The parser is chosen through the firstresult hook ``mindie_host_tool_call_parser(ctx, model_type, host)``;
+The parser is chosen through the firstresult hook ``mindie_host_tool_call_parser(ctx, model_type)``;
 the builtin answer (:mod:`mindie_host.server.tool_calls`, registered last so any plugin wins) is
 :func:`builtin_parser`: the format the model's own chat template writes calls in, else the family's.
 
