@@ -177,7 +177,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for name, package, version, on, d in rows:
         print(f"{name:<{width}}{package:<{pw}}{version:<10}{'yes' if on else 'no'}")
         if d.error:
-            print(f"    (cannot import: {d.error})")
+            print(f"    ({d.error})")
         if d.hooks:
             print("    hooks:  " + ", ".join(h.removeprefix("mindie_host_") for h in d.hooks))
         for key, (kind, default) in d.params.items():

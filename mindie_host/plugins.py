@@ -145,12 +145,16 @@ def describe_plugin(plugin: object) -> PluginDescription:
 
 
 def describe_installed(entry_point_name: str) -> PluginDescription:
-    """Import the installed plugin ``entry_point_name`` and describe it (an import error is reported, not raised)."""
+    """Import the installed plugin ``entry_point_name`` and describe it (an import error, or hooks written for an
+    older contract, are reported, not raised)."""
     for ep in md.entry_points(group=ENTRY_POINT_GROUP, name=entry_point_name):
         try:
-            return describe_plugin(ep.load())
+            plugin = ep.load()
         except Exception as exc:  # a plugin whose dependencies are missing here
-            return PluginDescription(hooks=[], params={}, error=f"{type(exc).__name__}: {exc}")
+            return PluginDescription(hooks=[], params={}, error=f"cannot import: {type(exc).__name__}: {exc}")
+        description = describe_plugin(plugin)
+        description.error = older_contract(plugin, entry_point_name)
+        return description
     return PluginDescription(hooks=[], params={}, error="not installed")
 
 
@@ -210,6 +214,15 @@ def _argument_names(function: Any) -> list[str]:
     return names[1:] if names[:1] == ["self"] else names  # a class's function, as pluggy reads it
 
 
+def older_contract(plugin: object, name: str) -> str | None:
+    """The one message that refuses ``plugin`` (registered as ``name``) when it was written for an older contract."""
+    problems = contract_mismatches(plugin)
+    if not problems:
+        return None
+    return (f"plugin {name!r} was written for an older plugin contract (this host speaks contract {CONTRACT_VERSION}): "
+            + "; ".join(problems) + f"; see {MIGRATION_DOC}")
+
+
 class ContextPluginManager(pluggy.PluginManager):
     """pluggy's manager, handing each implementation that names ``ctx`` the context of its own plugin.
 
@@ -226,13 +239,9 @@ class ContextPluginManager(pluggy.PluginManager):
         self._owner = owner
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
-        problems = contract_mismatches(plugin)
-        if problems:
-            raise PluginError(
-                f"plugin {name or self.get_canonical_name(plugin)!r} was written for an older plugin contract "
-                f"(this host speaks contract {CONTRACT_VERSION}): " + "; ".join(problems)
-                + f"; see {MIGRATION_DOC}"
-            )
+        problem = older_contract(plugin, name or self.get_canonical_name(plugin))
+        if problem:
+            raise PluginError(problem)
         plugin_name = super().register(plugin, name)
         if plugin_name is not None:
             for caller in self.get_hookcallers(plugin) or []:

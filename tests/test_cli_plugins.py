@@ -11,7 +11,7 @@ import pytest
 
 from mindie_host import hookimpl
 from mindie_host.config import config_from_dict, default_config_dict
-from mindie_host.plugins import PluginError, PluginHost
+from mindie_host.plugins import PluginError, PluginHost, describe_installed
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -189,6 +189,7 @@ def test_a_plugin_written_for_contract_2_fails_at_load_with_one_message(tmp_path
     assert "Traceback" not in r.stdout + r.stderr and "pluggy" not in r.stdout + r.stderr
 
     monkeypatch.syspath_prepend(str(site))
+    assert describe_installed("old_form").error == errors[0].removeprefix("error: ")  # `mindie-host plugins` says so
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = json.dumps(
         {"plugin_type": "renamed_ctx"})
     with pytest.raises(PluginError) as caught:
