@@ -3,7 +3,7 @@
 Each family's tiny random model (conftest's config, made expressible in GGUF where the format cannot say what the
 HF config does, see :data:`GGUF_KEYS`) has its weights rounded to float16 and is saved with ``save_pretrained``;
 ``convert_hf_to_gguf.py`` from llama-cpp-python's sdist (``scripts/fetch-llama-cpp.sh``; every conversion in one
-process) writes it at F16 and Q8_0. The F16 file, whose weights are the directory's, gives the directory's greedy
+process) writes it at F16 (and Q8_0 for :data:`Q8_FAMILIES`). The F16 file, whose weights are the directory's, gives the directory's greedy
 tokens and prompt logprobs (within 1e-4); the Q8_0 file (served in its stored 8-bit blocks where the family allows)
 scores the F16 file's own continuations within :data:`PPL_DELTA` of the F16 file's perplexity. The family is
 recognised from the file alone: Mixtral is written as ``llama`` with expert tensors.
@@ -59,6 +59,10 @@ FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "glm
 GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 #: the Q8_0 file's perplexity on the F16 file's continuations may differ from the F16 file's by this share
 PPL_DELTA = 0.02
+#: the families whose Q8_0 file is checked: one of each kind of layer the 8-bit blocks are served in as stored
+#: (dense attention and MLP, routed experts, sliding windows, latent attention); the others' Q8_0 tensors take
+#: the same loader path (measured once: every family within 1.4%), and each conversion costs CI time
+Q8_FAMILIES = frozenset({"qwen3", "mixtral", "gemma3_text", "deepseek_v3"})
 NEW = 16
 
 
@@ -98,7 +102,8 @@ def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     for name in GGUF_KEYS:
         hf = tiny_gguf_model(name, root / name)
         out[name] = (hf, root / f"{name}-f16.gguf", root / f"{name}-q8_0.gguf")
-    convert_to_gguf([(hf, f, kind) for hf, f16, q8 in out.values() for f, kind in ((f16, "f16"), (q8, "q8_0"))])
+    convert_to_gguf([(hf, f16, "f16") for hf, f16, _ in out.values()]
+                    + [(hf, q8, "q8_0") for name, (hf, _, q8) in out.items() if name in Q8_FAMILIES])
     return out
 
 
@@ -144,6 +149,8 @@ def test_gguf_file_serves_as_its_hf_directory(name: str, gguf_models: dict[str, 
     assert tokens == want_tokens
     for got, want in zip(lps, want_lps):
         assert got == pytest.approx(want, abs=1e-4)
+    if name not in Q8_FAMILIES:
+        return
     with hosted(q8) as host:
         ppl8 = continuation_ppl(host, batch, tokens)
     assert abs(ppl8 / ppl16 - 1) < PPL_DELTA, (ppl16, ppl8)
