@@ -20,6 +20,16 @@ import pytest
 # Tests of the check itself set modes explicitly.
 os.umask(0o077)
 
+# httpx waits 5 s for an answer unless told otherwise, and ~140 calls in the tests don't say: on a loaded CI machine
+# (two workers, servers in both) a short generation can take longer. Tests that test a timeout set their own.
+try:
+    from httpx._config import DEFAULT_TIMEOUT_CONFIG as _HTTPX_DEFAULT_TIMEOUT
+
+    _HTTPX_DEFAULT_TIMEOUT.read = _HTTPX_DEFAULT_TIMEOUT.write = _HTTPX_DEFAULT_TIMEOUT.pool = 120.0
+    _HTTPX_DEFAULT_TIMEOUT.connect = 30.0
+except (ImportError, AttributeError):  # another httpx: its own default stands
+    pass
+
 _M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
 
 try:

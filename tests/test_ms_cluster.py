@@ -52,8 +52,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp, 2, server_config=servers_config(tmp),
                 coordinator={"prometheus_metrics_config": {"reuse_time": 1},
                              # the sigkill test's survivors queue 12 answers on one server beside the other worker
-                             "exception_config": {"max_retry": 3, "schedule_timeout": 300,
-                                                  "first_token_timeout": 300}},
+                             "exception_config": {"max_retry": 3, "schedule_timeout": 600,
+                                                  "first_token_timeout": 600, "infer_timeout": 900}},
                 controller={"rank_table_detecting_seconds": 1})
     c.start(timeout=300)
     yield c

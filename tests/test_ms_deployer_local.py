@@ -326,7 +326,7 @@ def test_rolling_update_under_load_fails_no_request(deployment: Deployment):
     assert len(results["long"]) == 4
     # the long streams began on the old instances and were still running when the first of those was drained
     drains = [
-        dt.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        dt.datetime.strptime(line[1:24].replace(",", "."), "%Y-%m-%d %H:%M:%S.%f").timestamp()
         for line in (deployment.workdir.parent / "logs" / "run.txt").read_text().splitlines()
         if "tiny: draining tiny-" in line
     ]
