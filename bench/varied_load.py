@@ -55,11 +55,17 @@ def make_prompts(n: int, seed: int = 0, median_words: int = 220, min_words: int 
     rng = random.Random(seed)
     sigma = 0.75  # the log-normal's spread: about 1 request in 20 is over three times the median
     prompts = []
+    heads: set[str] = set()
     stride = max(1, (len(words) - max_words) // max(n, 1))
     for i in range(n):
         length = int(min(max_words, max(min_words, rng.lognormvariate(math.log(median_words), sigma))))
         start = (i * stride + rng.randrange(stride)) % (len(words) - length)
-        prompts.append(INSTRUCTION + " ".join(words[start:start + length]))
+        passage = " ".join(words[start:start + length])
+        while passage[:80] in heads:  # the docs repeat some sentences (which, depends on the Python release)
+            start = (start + 1) % (len(words) - length)
+            passage = " ".join(words[start:start + length])
+        heads.add(passage[:80])
+        prompts.append(INSTRUCTION + passage)
     return prompts
 
 

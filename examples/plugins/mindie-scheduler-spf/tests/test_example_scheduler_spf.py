@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,19 +82,29 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
         sent: dict[str, float] = {}
         finished: dict[str, float] = {}
 
+        busy_running = threading.Event()
+
         def send(name: str, words: int, max_tokens: int, delay: float) -> None:
-            time.sleep(delay)
-            sent[name] = time.monotonic()
             body = {"model": "tiny", "prompt": "hello " * words, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True}
-            r = httpx.post(url + "/v1/completions", json=body, timeout=300)
-            assert r.status_code == 200, r.text
+            if name == "busy":  # streamed: its first token says it holds the batch slot
+                sent[name] = time.monotonic()
+                with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+                    assert r.status_code == 200, r.read()
+                    for _ in r.iter_lines():
+                        busy_running.set()
+            else:  # the others arrive in order once "busy" runs (a loaded machine may delay any thread)
+                assert busy_running.wait(120), "busy never started"
+                time.sleep(delay)
+                sent[name] = time.monotonic()
+                r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+                assert r.status_code == 200, r.text
             finished[name] = time.monotonic()
             done.append(name)
 
         # "busy" holds the only batch slot while the others queue up: long, short, long, short
-        jobs = [("busy", 4, BUSY, 0.0), ("long-1", 300, 16, 0.3), ("short-1", 5, 16, 0.6),
-                ("long-2", 300, 16, 0.9), ("short-2", 5, 16, 1.2)]
+        jobs = [("busy", 4, BUSY, 0.0), ("long-1", 300, 16, 0.0), ("short-1", 5, 16, 0.3),
+                ("long-2", 300, 16, 0.6), ("short-2", 5, 16, 0.9)]
         with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda j: send(*j), jobs))
         assert done[0] == "busy" and finished["busy"] > max(sent.values()), "the queue never formed"
