@@ -6,8 +6,9 @@ A kernel build that was killed (a server stopped with SIGKILL while it compiled)
 and gives up (torch's operators serve) rather than wait forever on a live build. The extension here
 is a tiny C-API module, so each build takes about a second. Each instruction-set variant of the
 kernels is its own library with its own flags (never ``-march=native``), built once and cached
-under a name that changes with its sources; and the kernels compile for aarch64 (the portable
-path, no x86 intrinsic outside its ``#if``) where Debian's cross compiler is installed.
+under a name that changes with its sources; and on an aarch64 host (mocked, with Debian's cross compiler where it
+is installed) only the portable variant is built, for armv8-a with no x86 flag, the torch binding compiles for
+aarch64 too, and the kernels answer right under qemu-aarch64 where that is installed.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import logging
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mindie_host.backends import cpu_extensions
+from mindie_host.backends import cpu_extensions, cpu_profile
 from mindie_host.backends.cpu_extensions import CppExtension, build_root, exclusive_build, headers_digest
+from mindie_host.backends.cpu_profile import CpuFeatures
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -158,23 +162,79 @@ def test_a_variant_library_is_built_once_and_cached(tmp_path: Path, monkeypatch:
     assert cpu_extensions.variant_library("avx2") != cpu_extensions.variant_library("portable")
 
 
-@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
-                    reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
-def test_the_kernels_build_and_answer_right_on_aarch64(tmp_path: Path) -> None:
-    """The portable variant as the server builds it for aarch64 (a shared library), and tests/cpu_kernels_check.cpp
-    built with the same sources and flags; where qemu-aarch64 is installed the check runs (each kernel against a
-    double-precision loop, and a low-bit row's bits alone and among others)."""
-    cross, flags = "aarch64-linux-gnu-g++", cpu_extensions.variant_flags("portable", "aarch64")
-    library = tmp_path / "kernels_aarch64.so"
-    cpu_extensions.compile_variant("portable", library, cross, flags)
+#: Debian's cross compiler for aarch64 (apt-get install g++-aarch64-linux-gnu)
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+#: flags a compile for an x86 instruction set would carry; none may reach an aarch64 build
+X86_FLAGS = ("-march=x86", "-mtune=generic", "-mavx", "-mfma", "-mf16c", "-mbmi", "-msse", "-mmovbe", "-mlzcnt")
+
+
+def binding_syntax_check() -> subprocess.Popen[str]:
+    """binding.cpp, the one source that includes torch's headers, syntax-checked for aarch64 as torch's loader would
+    compile it (C++20, torch's and Python's include folders: the x86 wheel's headers, architecture-neutral)."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    return subprocess.Popen([AARCH64_CXX, "-std=c++20", "-fsyntax-only", "-march=armv8-a",
+                             "-DTORCH_EXTENSION_NAME=mindie_host_cpu_binding", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                             "-DMINDIE_HOST_HEADERS=0", *(f for d in includes for f in ("-isystem", d)),
+                             str(Path(cpu_extensions.__file__).with_name(cpu_extensions.BINDING))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(shutil.which(AARCH64_CXX) is None,
+                    reason=f"no aarch64 cross compiler ({AARCH64_CXX}: apt-get install g++-aarch64-linux-gnu)")
+def test_an_aarch64_host_builds_only_the_portable_kernels_for_armv8_and_they_answer_right(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An aarch64 host, its machine and /proc/cpuinfo features mocked and Debian's cross compiler as its ``CXX``:
+    the profile is portable with one log line saying why, and the one library the selection builds is the portable
+    variant for armv8-a (one compiler call per kernel source, no x86 flag, an aarch64 ELF). binding.cpp is
+    syntax-checked for aarch64 against torch's headers meanwhile; tests/cpu_kernels_check.cpp, linked to the library,
+    runs under qemu-aarch64 where it is installed (each kernel against a double-precision loop, and a low-bit row's
+    bits alone and among others)."""
+    binding = binding_syntax_check()
+    monkeypatch.setattr(cpu_profile, "features", lambda: CpuFeatures("aarch64", frozenset({"fp", "asimd", "bf16"})))
+    monkeypatch.delenv(cpu_profile.ENV, raising=False)
+    monkeypatch.setenv("CXX", AARCH64_CXX)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    commands: list[list[str]] = []
+    run = subprocess.run
+
+    def recorded(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        return run(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recorded)
+    cpu_profile._profile.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, "mindie_host.backends"):
+            chosen = cpu_profile.log_profile()
+            library = cpu_extensions.build_variant(chosen.isa)
+    finally:
+        cpu_profile._profile.cache_clear()
+    monkeypatch.setattr(subprocess, "run", run)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU profile")]
+    assert lines == ["CPU profile portable (detected on aarch64: the avx2 and avx512 kernels are x86-64 only): "
+                     "portable kernels, float32 prompt rows and low-bit activations (no native bf16), "
+                     "int8 products in floating point"]
+    assert (chosen.isa, chosen.native_bf16, chosen.int8_products) == ("portable", False, None)
+    assert [isa for isa in cpu_profile.ISAS if cpu_profile.features().runs(isa)] == ["portable"]  # load_variants' set
+    builds = [c for c in commands if Path(c[0]).name == AARCH64_CXX and "--version" not in c]
+    assert sorted(Path(c[c.index("-c") + 1]).name for c in builds if "-c" in c) == sorted(cpu_extensions.SOURCES)
+    assert all("-march=armv8-a" in c for c in builds if "-c" in c) and len(builds) == len(cpu_extensions.SOURCES) + 1
+    assert not [f for c in builds for f in c if f.startswith(X86_FLAGS)]
     header = library.read_bytes()[:20]
+    assert library.name.startswith("mindie_host_kernels_portable-")
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
-    here = Path(cpu_extensions.__file__).parent
     check = tmp_path / "check"
-    sources = [str(here / source) for source in cpu_extensions.SOURCES]
-    subprocess.run([cross, *cpu_extensions.COMMON_FLAGS, *flags, "-static", *sources,
-                    str(Path(__file__).with_name("cpu_kernels_check.cpp")), "-o", str(check)], check=True)
+    flags = cpu_extensions.variant_flags("portable", "aarch64")
+    subprocess.run([AARCH64_CXX, *cpu_extensions.COMMON_FLAGS, *flags, str(Path(__file__).with_name(
+        "cpu_kernels_check.cpp")), str(library), "-o", str(check)], check=True)
+    out, _ = binding.communicate(timeout=300)
+    assert binding.returncode == 0, out[-3000:]
     if shutil.which("qemu-aarch64") is None:
         pytest.skip("built for aarch64; no qemu-aarch64 to run the check (apt-get install qemu-user)")
-    run = subprocess.run(["qemu-aarch64", str(check)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "variant portable" in run.stdout and "FAIL" not in run.stdout, run.stdout
+    result = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(check)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "variant portable" in result.stdout and "FAIL" not in result.stdout, (
+        result.stdout + result.stderr)

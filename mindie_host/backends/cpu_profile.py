@@ -120,8 +120,12 @@ class CpuProfile:
         """One line: what was chosen and why."""
         flags = self.features.flags
         seen = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags)
-        why = (f"{ENV}={self.isa}" if self.forced
-               else f"detected on {self.features.machine}: {seen or 'no AVX2'}")
+        if self.forced:
+            why = f"{ENV}={self.isa}"
+        elif self.features.x86:
+            why = f"detected on {self.features.machine}: {seen or 'no AVX2'}"
+        else:  # Arm and the rest: only the portable kernels exist, built for the architecture's baseline
+            why = f"detected on {self.features.machine}: the avx2 and avx512 kernels are x86-64 only"
         dtype = ("bfloat16 prompt products and low-bit activations (native bf16)" if self.native_bf16
                  else "float32 prompt rows and low-bit activations (no native bf16)")
         int8 = {"vnni": "int8 products with VNNI", "avx2": "int8 products with AVX2's 8-bit multiply-add",
