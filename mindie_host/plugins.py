@@ -77,7 +77,8 @@ KNOWN_PACKAGES: dict[str, str] = {
 #: model types served by plugins we publish (for install hints): model_type -> plugin name
 KNOWN_ARCHITECTURES: dict[str, str] = {
     model_type: "models" for model_type in ("qwen3", "glm", "glm4", "gemma3", "gemma3_text", "phi3", "qwen3_moe",
-                                            "mixtral", "deepseek_v3", "deepseek_v2", "qwen3moe", "deepseek2")
+                                            "mixtral", "deepseek_v3", "deepseek_v2", "qwen3moe", "deepseek2",
+                                            "chatglm")
 }
 
 

@@ -6,7 +6,8 @@ HF config does, see :data:`GGUF_KEYS`) has its weights rounded to float16 and is
 process) writes it at F16 (and Q8_0 for :data:`Q8_FAMILIES`). The F16 file, whose weights are the directory's, gives the directory's greedy
 tokens and prompt logprobs (within 1e-4); the Q8_0 file (served in its stored 8-bit blocks where the family allows)
 scores the F16 file's own continuations within :data:`PPL_DELTA` of the F16 file's perplexity. The family is
-recognised from the file alone: Mixtral is written as ``llama`` with expert tensors.
+recognised from the file alone: Mixtral is written as ``llama`` with expert tensors, ``GlmForCausalLM`` as
+``chatglm``. The builtin family's Qwen2 (biased Q/K/V) is checked here too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ GGUF_KEYS: dict[str, dict[str, Any]] = {
     # llama.cpp's qwen3moe has no dense layers
     "qwen3_moe": {"mlp_only_layers": []},
     "mixtral": {},
+    # llama.cpp's chatglm takes a head as hidden / heads wide and the norms' epsilon as 1e-5 (the converter reads
+    # ChatGLM's layernorm_epsilon, not rms_norm_eps)
+    "glm": {"num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5},
     "glm4": {},
     # llama.cpp's gemma3 reads every 6th layer as global and scales queries by the head size
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
@@ -51,11 +55,13 @@ GGUF_KEYS: dict[str, dict[str, Any]] = {
     "phi3": {},
     "deepseek_v3": {},
     "deepseek_v2": {},
+    "qwen2": {},
 }
 #: the family each file is served by
-FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "glm4": "glm4", "gemma3_text": "gemma3",
-          "phi3": "phi3", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
-#: the special tokens llama.cpp's GLM-4 converter looks up
+FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "glm": "glm", "glm4": "glm4",
+          "gemma3_text": "gemma3", "phi3": "phi3", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2",
+          "qwen2": "llama"}
+#: the special tokens llama.cpp's GLM converters (``chatglm`` and ``glm4``) look up
 GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 #: the Q8_0 file's perplexity on the F16 file's continuations may differ from the F16 file's by this share
 PPL_DELTA = 0.02
@@ -67,21 +73,43 @@ NEW = 16
 
 
 def round_to_f16(directory: Path) -> None:
-    """The directory's weights rounded to float16 (kept float32, so both sides compute alike)."""
+    """The directory's weights rounded to float16 (kept float32, so both sides compute alike), its all-zero biases
+    (Q/K/V's of Qwen2 and GLM: transformers' initialisation leaves them zero, which would check nothing) made
+    random first."""
+    import torch
     from safetensors.torch import load_file, save_file
 
+    generator = torch.Generator().manual_seed(0)
     for f in directory.glob("*.safetensors"):
-        tensors = {k: v.half().float() for k, v in load_file(str(f)).items()}
+        tensors = {k: (0.2 * torch.randn(v.shape, generator=generator) if k.endswith(".bias") and not v.any() else v)
+                   .half().float() for k, v in load_file(str(f)).items()}
         save_file(tensors, str(f), metadata={"format": "pt"})
 
 
+def sentencepiece_model() -> bytes:
+    """A 100-piece sentencepiece model trained on made-up words (deterministic, a few milliseconds)."""
+    import io
+
+    import sentencepiece
+
+    words = [f"w{i % 97}x{i % 13}" for i in range(3000)]
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(" ".join(words[i:i + 12]) for i in range(0, len(words), 12)), model_writer=out,
+        vocab_size=100, model_type="bpe", num_threads=1, minloglevel=2)
+    return out.getvalue()
+
+
 def tiny_gguf_model(name: str, directory: Path) -> Path:
-    """Family ``name``'s tiny model as :data:`GGUF_KEYS` changes it, with a tokenizer the converter accepts: GLM-4's
-    special tokens added; Phi-3's declared a GPT-2 tokenizer (the converter's other road needs sentencepiece)."""
+    """Family ``name``'s tiny model as :data:`GGUF_KEYS` changes it, with a tokenizer the converter accepts: GLM's
+    special tokens added; Phi-3's declared a GPT-2 tokenizer (the converter's other road needs sentencepiece);
+    Qwen2's given a sentencepiece ``tokenizer.model``, the road its converter tries first (transformers reads a
+    ``qwen2`` directory's tokenizer.json as Qwen2Tokenizer whatever it declares, with a pre-tokenizer the
+    converter knows only on Qwen's own vocabulary). The tokenizers serve no test here: prompts are token ids."""
     keys = {**SPECS[name].keys, **GGUF_KEYS[name]}
     config_class, model_class = SPECS[name].classes()
     tokenizer_dir = None
-    if name == "glm4":
+    if name in ("glm", "glm4"):
         tokenizer = tiny_tokenizer()
         tokenizer.add_special_tokens({"additional_special_tokens": GLM_TOKENS})
         tokenizer_dir = directory.with_name(f"{directory.name}-tokenizer")
@@ -90,6 +118,8 @@ def tiny_gguf_model(name: str, directory: Path) -> Path:
     if name == "phi3":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    if name == "qwen2":
+        (path / "tokenizer.model").write_bytes(sentencepiece_model())
     round_to_f16(path)
     return path
 
