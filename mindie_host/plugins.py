@@ -443,8 +443,9 @@ class PluginHost:
         """Enable the installed plugin that provides the checkpoint's model type, when no registered plugin does.
 
         Only the plugins that declare the model type in the ``mindie_host.architectures`` group are imported. A
-        checkpoint that cannot be read is left to the backend, which says why; a model type that a plugin we
-        publish would serve, with that plugin not installed, is refused with the command that installs it.
+        checkpoint that cannot be read is left to the backend, which says why (so is one that the plugin serving its
+        model type, once enabled, refuses: a GGUF file whose tensors are not its family's); a model type that a
+        plugin we publish would serve, with that plugin not installed, is refused with the command that installs it.
         """
         from .models.architecture import ModelLoadError
         from .models.default import default_model_path
@@ -475,7 +476,7 @@ class PluginHost:
             if served():
                 return
         known = KNOWN_ARCHITECTURES.get(model_type)
-        if known is not None:
+        if known is not None and not self.pm.has_plugin(known):
             raise PluginError(
                 f"model_type {model_type!r} ({source.path}) is not served by any installed plugin: "
                 f"{install_hint(known)} (the host itself serves {', '.join(self.architectures.model_types())})"

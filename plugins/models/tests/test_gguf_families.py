@@ -184,3 +184,48 @@ def test_gguf_file_serves_as_its_hf_directory(name: str, gguf_models: dict[str, 
     with hosted(q8) as host:
         ppl8 = continuation_ppl(host, batch, tokens)
     assert abs(ppl8 / ppl16 - 1) < PPL_DELTA, (ppl16, ppl8)
+
+
+def chatglm_file(path: Path, *, fused: bool) -> Path:
+    """A one-layer ``chatglm`` GGUF file (zero weights, a 64-token BPE vocabulary) that the ``glm`` family does not
+    serve: Q, K and V fused in ``attn_qkv`` (as from THUDM's remote-code ChatGLM checkpoints), or apart with heads
+    of 128 where the metadata says hidden / heads = 64 (a ``GlmForCausalLM`` whose ``head_dim`` is not hidden / heads,
+    which the converter writes without a head size)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "chatglm")
+    writer.add_block_count(1)
+    writer.add_embedding_length(128)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_feed_forward_length(256)
+    writer.add_context_length(128)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([chr(97 + i % 26) * (1 + i // 26) for i in range(64)])
+    writer.add_token_types([1] * 64)
+    writer.add_token_merges(["a a"])
+    writer.add_eos_token_id(0)
+    zeros = {"token_embd.weight": (64, 128), "output_norm.weight": (128,), "blk.0.attn_norm.weight": (128,)}
+    zeros.update({"blk.0.attn_qkv.weight": (256, 128)} if fused else
+                 {"blk.0.attn_q.weight": (256, 128), "blk.0.attn_k.weight": (128, 128), "blk.0.attn_v.weight": (128, 128)})
+    for name, shape in zeros.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("fused", "says"), [(True, "fused attn_qkv"), (False, "attn_q has 256 rows")])
+def test_chatglm_files_the_glm_family_cannot_read_are_refused_by_what_they_hold(
+    fused: bool, says: str, tmp_path: Path
+) -> None:
+    from mindie_host.backend_api import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=says):
+        loaded_host(server_config(chatglm_file(tmp_path / "chatglm.gguf", fused=fused), model={"dtype": "float32"}))
