@@ -37,13 +37,25 @@ def default_server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="session")
 def cpu_variants() -> dict[str, Any]:
-    """Every variant of the CPU kernels this machine executes (portable, avx2, avx512), built once, side by side."""
+    """Every variant of the CPU kernels this machine executes (portable, avx2, avx512 on x86-64; portable, neon on
+    aarch64), built once, side by side."""
     from mindie_host.backends import cpu_extensions
 
     return cpu_extensions.load_variants()
 
 
-@pytest.fixture(scope="module", params=["portable", "avx2", "avx512"])
+def variants_of_this_architecture() -> list[str]:
+    """The kernel variants built for this machine's architecture (portable, avx2, avx512 on x86-64; portable and
+    neon on aarch64): the ones :func:`cpu_variant` runs or, where this CPU cannot execute one, skips."""
+    import platform
+
+    from mindie_host.backends import cpu_profile
+
+    arch = cpu_profile.CpuFeatures(platform.machine(), frozenset()).arch
+    return [isa for isa in cpu_profile.ISAS if cpu_profile.ARCH.get(isa, arch) == arch]
+
+
+@pytest.fixture(scope="module", params=variants_of_this_architecture())
 def cpu_variant(request: pytest.FixtureRequest, cpu_variants: dict[str, Any]) -> Iterator[Any]:
     """Each kernel variant in turn, active and forced as the CPU profile (``MINDIE_HOST_CPU_ISA``); skipped where
     this CPU cannot execute it."""

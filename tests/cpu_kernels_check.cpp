@@ -124,9 +124,20 @@ void check_attention(const mh_kernels* k, int64_t H, int64_t KV, int64_t D) {
   report(what, relative(pout, pwant), 1e-5);
 }
 
+// FNV-1a of n floats' bits
+uint64_t digest(const float* v, size_t n, uint64_t h = 1469598103934665603ull) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(v);
+  for (size_t i = 0; i < n * sizeof(float); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+// The low-bit product's inputs come from integers alone (their own generator, exact float arithmetic), so they are
+// the same bits on every architecture, and the "bits" line can be compared between variants built for different
+// CPUs (the neon variant's with the avx2 variant's: the same fused multiply-adds in the same order).
 void check_lowbit(const mh_kernels* k, bool int4) {
   if (k->lowbit_activation != 0) return;  // bfloat16 activations: the avx512 variant, not built here
-  const int64_t N = 40, K = 96, gs = 32, NT = 2, G = K / gs, P = K / 2, M = 7;
+  std::mt19937 rng(int4 ? 11 : 13);
+  const int64_t N = 40, K = 288, gs = 32, NT = 2, G = K / gs, P = K / 2, M = 7;  // K: two of the buffer's blocks
   std::vector<uint8_t> codes(NT * P * (int4 ? 32 : 64), 0);
   std::vector<float> scale(NT * G * 32, 0.f), offset(NT * G * 32, 0.f), w(N * K);
   for (int64_t n = 0; n < N; ++n)
@@ -144,8 +155,9 @@ void check_lowbit(const mh_kernels* k, bool int4) {
           tile[(c / 2) * 64 + (n % 32) * 2 + c % 2] = uint8_t(int8_t(code));
       }
     }
-  auto x = randn(M * K);
-  std::vector<float> out(M * N), one(N);
+  std::vector<float> x(M * K);
+  for (auto& v : x) v = (int(rng() % 2001) - 1000) / 512.f;
+  std::vector<float> out(M * N), one(N), two(2 * N);
   k->lowbit_matmul(x.data(), M, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, out.data());
   std::vector<double> want(M * N);
   for (int64_t m = 0; m < M; ++m)
@@ -158,6 +170,11 @@ void check_lowbit(const mh_kernels* k, bool int4) {
   k->lowbit_matmul(x.data() + 3 * K, 1, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, one.data());
   report("lowbit_matmul: a row alone has its bits among seven",
          std::memcmp(one.data(), out.data() + 3 * N, N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+  k->lowbit_matmul(x.data() + 3 * K, 2, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, two.data());
+  report("lowbit_matmul: two rows have their bits among seven",
+         std::memcmp(two.data(), out.data() + 3 * N, 2 * N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+  std::printf("bits lowbit_matmul %s %016llx\n", int4 ? "4-bit" : "8-bit",
+              (unsigned long long)digest(two.data(), 2 * N, digest(one.data(), N, digest(out.data(), M * N))));
 }
 
 }  // namespace

@@ -146,8 +146,11 @@ def test_each_variant_has_its_own_flags_and_none_is_native() -> None:
     assert cpu_extensions.variant_flags("avx512", "x86_64")[:2] == ("-march=x86-64-v4", "-mavx512bf16")
     assert cpu_extensions.variant_flags("portable", "aarch64") == ("-march=armv8-a",)
     assert cpu_extensions.variant_flags("portable", "riscv64") == ()
+    assert cpu_extensions.variant_flags("neon", "arm64") == ("-march=armv8-a", "-DMINDIE_HOST_NEON=1")
     with pytest.raises(RuntimeError, match="for x86-64, not aarch64"):
         cpu_extensions.variant_flags("avx2", "aarch64")
+    with pytest.raises(RuntimeError, match="for aarch64, not x86_64"):
+        cpu_extensions.variant_flags("neon", "x86_64")
     flags = [f for isa in ("portable", "avx2", "avx512") for f in cpu_extensions.variant_flags(isa, "x86_64")]
     assert not any("native" in f for f in flags + list(cpu_extensions.COMMON_FLAGS))
 
@@ -214,11 +217,11 @@ def test_an_aarch64_host_builds_only_the_portable_kernels_for_armv8_and_they_ans
         cpu_profile._profile.cache_clear()
     monkeypatch.setattr(subprocess, "run", run)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU profile")]
-    assert lines == ["CPU profile portable (detected on aarch64: the avx2 and avx512 kernels are x86-64 only): "
-                     "portable kernels, float32 prompt rows and low-bit activations (no native bf16), "
-                     "int8 products in floating point"]
+    assert lines == ["CPU profile portable (detected on aarch64: the avx2 and avx512 kernels are x86-64 only, neon "
+                     "is opt-in (MINDIE_HOST_CPU_ISA=neon)): portable kernels, float32 prompt rows and low-bit "
+                     "activations (no native bf16), int8 products in floating point"]
     assert (chosen.isa, chosen.native_bf16, chosen.int8_products) == ("portable", False, None)
-    assert [isa for isa in cpu_profile.ISAS if cpu_profile.features().runs(isa)] == ["portable"]  # load_variants' set
+    assert [isa for isa in cpu_profile.ISAS if cpu_profile.features().runs(isa)] == ["portable", "neon"]  # no x86 one
     builds = [c for c in commands if Path(c[0]).name == AARCH64_CXX and "--version" not in c]
     assert sorted(Path(c[c.index("-c") + 1]).name for c in builds if "-c" in c) == sorted(cpu_extensions.SOURCES)
     assert all("-march=armv8-a" in c for c in builds if "-c" in c) and len(builds) == len(cpu_extensions.SOURCES) + 1
@@ -234,7 +237,44 @@ def test_an_aarch64_host_builds_only_the_portable_kernels_for_armv8_and_they_ans
     assert binding.returncode == 0, out[-3000:]
     if shutil.which("qemu-aarch64") is None:
         pytest.skip("built for aarch64; no qemu-aarch64 to run the check (apt-get install qemu-user)")
-    result = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(check)], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0 and "variant portable" in result.stdout and "FAIL" not in result.stdout, (
+    run_check(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(check)], "portable")
+
+
+def run_check(command: list[str], variant: str) -> list[str]:
+    """Run a build of tests/cpu_kernels_check.cpp: every kernel passed; returns its lines of output bits."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and f"variant {variant}" in result.stdout and "FAIL" not in result.stdout, (
         result.stdout + result.stderr)
+    return [line for line in result.stdout.splitlines() if line.startswith("bits ")]
+
+
+@pytest.mark.skipif(shutil.which(AARCH64_CXX) is None or shutil.which("qemu-aarch64") is None,
+                    reason=f"needs {AARCH64_CXX} and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(not cpu_profile.read_features().runs("avx2"), reason="this CPU does not run the avx2 kernels")
+def test_the_opt_in_neon_variant_answers_right_under_qemu_with_the_avx2_variants_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MINDIE_HOST_CPU_ISA=neon`` on an aarch64 host (mocked) builds the neon variant; under qemu-aarch64 each
+    kernel agrees with a double-precision loop, and the low-bit product (hand-written NEON: fused multiply-adds in
+    the avx2 variant's order) gives, on the same inputs, the bits the avx2 variant gives natively here."""
+    avx2_library = cpu_extensions.build_variant("avx2")  # this machine's own (cached once any kernel test built it)
+    monkeypatch.setattr(cpu_profile, "features", lambda: CpuFeatures("aarch64", frozenset({"fp", "asimd"})))
+    monkeypatch.setenv(cpu_profile.ENV, "neon")
+    monkeypatch.setenv("CXX", AARCH64_CXX)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    cpu_profile._profile.cache_clear()
+    try:
+        chosen = cpu_profile.profile()
+        assert (chosen.isa, chosen.forced, chosen.native_bf16, chosen.int8_products) == ("neon", True, False, None)
+        library = cpu_extensions.build_variant(chosen.isa)
+    finally:
+        cpu_profile._profile.cache_clear()
+    check = tmp_path / "check_neon"
+    source = str(Path(__file__).with_name("cpu_kernels_check.cpp"))
+    subprocess.run([AARCH64_CXX, *cpu_extensions.COMMON_FLAGS, *cpu_extensions.variant_flags("neon", "aarch64"),
+                    source, str(library), "-o", str(check)], check=True)
+    neon = run_check(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(check)], "neon")
+    native = tmp_path / "check_avx2"
+    subprocess.run(["c++", *cpu_extensions.COMMON_FLAGS, *cpu_extensions.variant_flags("avx2", "x86_64"), source,
+                    str(avx2_library), "-o", str(native)], check=True)
+    avx2 = run_check([str(native)], "avx2")
+    assert len(neon) == 2 and neon == avx2, (neon, avx2)

@@ -85,10 +85,15 @@ def test_an_unknown_or_unexecutable_variant_is_a_startup_error(cpu: Any, monkeyp
         cpu_profile.profile()
     with pytest.raises(RuntimeError, match="cannot execute the avx512 kernels"):  # a server does not start
         loaded_host(server_config(tiny_model))
+    monkeypatch.setenv(cpu_profile.ENV, "neon")
+    with pytest.raises(RuntimeError, match="lacks an aarch64 CPU, not x86_64"):
+        cpu_profile.profile()
     cpu("aarch64", {"asimd"})
     monkeypatch.setenv(cpu_profile.ENV, "avx2")
-    with pytest.raises(RuntimeError, match="an x86-64 CPU, not aarch64"):
+    with pytest.raises(RuntimeError, match="an x86-64 CPU, not aarch64.*allowed here: portable, neon"):
         cpu_profile.profile()
+    monkeypatch.setenv(cpu_profile.ENV, "neon")  # opt-in on Arm: only when asked for
+    assert (cpu_profile.profile().isa, cpu_profile.profile().forced) == ("neon", True)
 
 
 def test_features_are_read_from_cpuinfo(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ VARIANT_FLAGS: dict[str, dict[str, tuple[str, ...]]] = {
     "portable": {"x86_64": ("-march=x86-64", "-mtune=generic"), "aarch64": ("-march=armv8-a",), "*": ()},
     "avx2": {"x86_64": ("-march=x86-64-v3", "-mtune=generic")},
     "avx512": {"x86_64": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic")},
+    "neon": {"aarch64": ("-march=armv8-a", "-DMINDIE_HOST_NEON=1")},
 }
 
 #: the kernels the self-check can turn off one by one
@@ -187,13 +188,13 @@ def compiler() -> str | None:
 
 def variant_flags(isa: str, machine: str | None = None) -> tuple[str, ...]:
     """The compiler flags of variant ``isa`` on ``machine`` (this one by default)."""
-    machine = (machine or cpu_profile.features().machine).lower().replace("amd64", "x86_64").replace("arm64", "aarch64")
+    machine = cpu_profile.CpuFeatures(machine, frozenset()).arch if machine else cpu_profile.features().arch
     by_arch = VARIANT_FLAGS[isa]
     if machine in by_arch:
         return by_arch[machine]
     if "*" in by_arch:
         return by_arch["*"]
-    raise RuntimeError(f"the {isa} kernels are for x86-64, not {machine}")
+    raise RuntimeError(f"the {isa} kernels are for {cpu_profile.ARCH[isa].replace('_', '-')}, not {machine}")
 
 
 def _compiler_version(cxx: str) -> str:

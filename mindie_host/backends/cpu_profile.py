@@ -2,14 +2,16 @@
 
 The C++ kernels come in three variants (:mod:`~mindie_host.backends.cpu_extensions`): ``portable``
 (the architecture's baseline: x86-64 with SSE2, aarch64, anything else), ``avx2`` (x86-64-v3: AVX2,
-FMA, F16C, BMI1/2) and ``avx512`` (x86-64-v4 with AVX512-BF16). The dtypes follow from the same
+FMA, F16C, BMI1/2) and ``avx512`` (x86-64-v4 with AVX512-BF16), and a fourth that is never chosen by
+detection: ``neon`` (aarch64: the low-bit product in hand-written NEON, checked only under qemu so far,
+so only ``MINDIE_HOST_CPU_ISA=neon`` selects it; an Arm CPU gets ``portable``). The dtypes follow from the same
 features: bfloat16 arithmetic (the prompt rows' bf16 products, bf16 activations of the low-bit
 products) only where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), since elsewhere torch
 runs it on a reference path at a fraction of float32's rate; int8 products (``torch._int_mm``, the
 w8a8 schemes) only with VNNI or AVX2's 8-bit multiply-add; float32 otherwise.
 
 The features come from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm), read once.
-``MINDIE_HOST_CPU_ISA=portable|avx2|avx512`` forces the whole profile, kernels and dtypes alike, as a
+``MINDIE_HOST_CPU_ISA=portable|avx2|avx512|neon`` forces the whole profile, kernels and dtypes alike, as a
 CPU of that kind would get it; it wins over detection. An unknown value, or a variant this CPU
 cannot execute, is an error at start-up (never an illegal instruction later).
 """
@@ -27,7 +29,13 @@ import torch
 log = logging.getLogger("mindie_host.backends")
 
 #: the kernel variants, from the baseline up
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "neon")
+
+#: variants detection never picks: only ``MINDIE_HOST_CPU_ISA`` selects them (not yet run on a real CPU of theirs)
+OPT_IN = frozenset({"neon"})
+
+#: the architecture (``platform.machine()``) each variant but portable is built for
+ARCH = {"avx2": "x86_64", "avx512": "x86_64", "neon": "aarch64"}
 
 #: the environment variable that forces a profile
 ENV = "MINDIE_HOST_CPU_ISA"
@@ -37,6 +45,7 @@ REQUIRED_FLAGS = {
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
     "avx512": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx512f", "avx512bw",
                          "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}),
+    "neon": frozenset({"asimd"}),
 }
 
 
@@ -48,18 +57,23 @@ class CpuFeatures:
     flags: frozenset[str]
 
     @property
+    def arch(self) -> str:
+        """The machine's name as :data:`ARCH` spells it (``amd64`` is ``x86_64``, ``arm64`` is ``aarch64``)."""
+        return self.machine.lower().replace("amd64", "x86_64").replace("arm64", "aarch64")
+
+    @property
     def x86(self) -> bool:
-        return self.machine.lower() in ("x86_64", "amd64")
+        return self.arch == "x86_64"
 
     def runs(self, isa: str) -> bool:
         """Whether this CPU can execute the kernel variant ``isa``."""
         if isa == "portable":
             return True
-        return self.x86 and REQUIRED_FLAGS[isa] <= self.flags
+        return self.arch == ARCH[isa] and REQUIRED_FLAGS[isa] <= self.flags
 
     def best(self) -> str:
-        """The fastest variant this CPU executes."""
-        return next(isa for isa in reversed(ISAS) if self.runs(isa))
+        """The fastest variant this CPU executes that detection may pick (never one of :data:`OPT_IN`)."""
+        return next(isa for isa in reversed(ISAS) if isa not in OPT_IN and self.runs(isa))
 
 
 def read_features(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
@@ -107,7 +121,7 @@ class CpuProfile:
     @property
     def int8_products(self) -> str | None:
         """How int8 x int8 products run natively: ``"vnni"``, ``"avx2"`` (8-bit multiply-add), or None."""
-        if self.isa == "portable":
+        if self.isa in ("portable", "neon"):
             return None
         vnni = {"avx512_vnni", "avx_vnni", "amx_int8"} & self.features.flags
         return "vnni" if self.isa == "avx512" or (vnni and not self.forced) else "avx2"
@@ -124,8 +138,10 @@ class CpuProfile:
             why = f"{ENV}={self.isa}"
         elif self.features.x86:
             why = f"detected on {self.features.machine}: {seen or 'no AVX2'}"
-        else:  # Arm and the rest: only the portable kernels exist, built for the architecture's baseline
+        else:  # Arm and the rest: the portable kernels, built for the architecture's baseline
             why = f"detected on {self.features.machine}: the avx2 and avx512 kernels are x86-64 only"
+            if self.features.runs("neon"):
+                why += f", neon is opt-in ({ENV}=neon)"
         dtype = ("bfloat16 prompt products and low-bit activations (native bf16)" if self.native_bf16
                  else "float32 prompt rows and low-bit activations (no native bf16)")
         int8 = {"vnni": "int8 products with VNNI", "avx2": "int8 products with AVX2's 8-bit multiply-add",
@@ -149,7 +165,9 @@ def _profile(forced: str) -> CpuProfile:
     if forced not in ISAS:
         raise ValueError(f"{ENV}={forced!r} is not a kernel variant; allowed: {', '.join(ISAS)}")
     if not cpu.runs(forced):
-        missing = sorted(REQUIRED_FLAGS[forced] - cpu.flags) if cpu.x86 else [f"an x86-64 CPU, not {cpu.machine}"]
+        arch = ARCH[forced]
+        missing = (sorted(REQUIRED_FLAGS[forced] - cpu.flags) if cpu.arch == arch
+                   else [f"an {arch.replace('_', '-')} CPU, not {cpu.machine}"])
         raise RuntimeError(f"{ENV}={forced}: this CPU cannot execute the {forced} kernels (it lacks "
                            f"{', '.join(missing)}); allowed here: "
                            f"{', '.join(isa for isa in ISAS if cpu.runs(isa))}")

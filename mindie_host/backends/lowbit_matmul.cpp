@@ -20,7 +20,8 @@
 // of multiply-adds over k in order. Products of one or two rows dequantize in registers as the codes stream by (the
 // weights are read once, in their low-bit form); more rows dequantize a tile's block of k once into a small
 // buffer that every block of three rows then streams over (an FMA-bound micro-kernel): the same values in the
-// same order, so the same bits. The portable variant is the same arithmetic in plain C++ (multiply, then add).
+// same order, so the same bits. The neon variant (opt-in) is the avx2 arithmetic with 4-lane NEON fused
+// multiply-adds, the same bits as avx2. The portable variant is the same arithmetic in plain C++ (multiply, then add).
 //
 // silu_mul: the gated MLP's activation between the prompt rows' two bfloat16 products (linear.bf16_gated_mlp).
 #define MINDIE_HOST_KERNEL_SOURCE 1
@@ -311,6 +312,80 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 }
 #endif  // MH_AVX2
 
+#if defined(MH_NEON)
+// Columns c8 * 8 .. c8 * 8 + 7 of pair p of a tile, dequantized as avx2's dequant8 does (one fused multiply-add
+// each): k = 2p into lo[0..1], k = 2p + 1 into hi[0..1], four columns a register.
+template <bool INT4>
+inline void dequant8(const uint8_t* tile, int64_t p, int c8, const float* scale, const float* offset, float32x4_t lo[2],
+                     float32x4_t hi[2]) {
+  int32x4_t a[2], b[2];
+  if constexpr (INT4) {
+    const uint16x8_t v = vmovl_u8(vld1_u8(tile + p * kTile + c8 * 8));
+    const uint16x8_t low = vandq_u16(v, vdupq_n_u16(15)), high = vshrq_n_u16(v, 4);
+    a[0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(low)));
+    a[1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(low)));
+    b[0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(high)));
+    b[1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(high)));
+  } else {  // 8 columns' pairs (k0, k1), split by the de-interleaving load
+    const int8x8x2_t v = vld2_s8(reinterpret_cast<const int8_t*>(tile + p * 2 * kTile + c8 * 16));
+    const int16x8_t low = vmovl_s8(v.val[0]), high = vmovl_s8(v.val[1]);
+    a[0] = vmovl_s16(vget_low_s16(low));
+    a[1] = vmovl_s16(vget_high_s16(low));
+    b[0] = vmovl_s16(vget_low_s16(high));
+    b[1] = vmovl_s16(vget_high_s16(high));
+  }
+  for (int h = 0; h < 2; ++h) {
+    const float32x4_t sc = vld1q_f32(scale + h * 4), of = vld1q_f32(offset + h * 4);
+    lo[h] = vfmaq_f32(of, vcvtq_f32_s32(a[h]), sc);
+    hi[h] = vfmaq_f32(of, vcvtq_f32_s32(b[h]), sc);
+  }
+}
+
+// MR (1 or 2) rows times TN tiles, dequantizing in registers: acc = fma(x[k], w[k], acc) over k in order.
+template <bool INT4, int MR, int TN>
+inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const float* scale,
+                              const float* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
+  float32x4_t acc[MR][TN * 8];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 8; ++j) acc[r][j] = vdupq_n_f32(0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t p = g * PG; p < (g + 1) * PG; ++p) {
+      float32x4_t x0[MR], x1[MR];
+      for (int r = 0; r < MR; ++r) {
+        x0[r] = vdupq_n_f32(x[r * K + 2 * p]);
+        x1[r] = vdupq_n_f32(x[r * K + 2 * p + 1]);
+      }
+      for (int t = 0; t < TN; ++t)
+        for (int c8 = 0; c8 < 4; ++c8) {
+          const int64_t at = t * G * kTile + g * kTile + c8 * 8;
+          float32x4_t lo[2], hi[2];
+          dequant8<INT4>(tiles + t * tile_bytes, p, c8, scale + at, offset + at, lo, hi);
+          for (int r = 0; r < MR; ++r)
+            for (int h = 0; h < 2; ++h) {
+              float32x4_t& a = acc[r][t * 8 + c8 * 2 + h];
+              a = vfmaq_f32(a, x0[r], lo[h]);
+              a = vfmaq_f32(a, x1[r], hi[h]);
+            }
+        }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int c4 = 0; c4 < 8; ++c4) {
+      const int64_t c0 = n0 + t * kTile + c4 * 4;
+      if (c0 >= N) break;
+      for (int r = 0; r < MR; ++r) {
+        if (c0 + 4 <= N) {
+          vst1q_f32(out + r * N + c0, acc[r][t * 8 + c4]);
+        } else {
+          float tmp[4];
+          vst1q_f32(tmp, acc[r][t * 8 + c4]);
+          for (int64_t c = c0; c < N; ++c) out[r * N + c] = tmp[c - c0];
+        }
+      }
+    }
+}
+#endif  // MH_NEON
+
 // Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major).
 template <bool INT4>
 inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const float* scale, const float* offset,
@@ -326,6 +401,15 @@ inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const flo
       dequant8<INT4>(tile, p, c8, _mm256_loadu_ps(s + c8 * 8), _mm256_loadu_ps(o + c8 * 8), a, b);
       _mm256_storeu_ps(lo + c8 * 8, a);
       _mm256_storeu_ps(hi + c8 * 8, b);
+    }
+#elif defined(MH_NEON)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      float32x4_t a[2], b[2];
+      dequant8<INT4>(tile, p, c8, s + c8 * 8, o + c8 * 8, a, b);
+      for (int h = 0; h < 2; ++h) {
+        vst1q_f32(lo + c8 * 8 + h * 4, a[h]);
+        vst1q_f32(hi + c8 * 8 + h * 4, b[h]);
+      }
     }
 #else
     for (int c = 0; c < kTile; ++c) {
@@ -364,6 +448,20 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < 4; ++q) _mm256_storeu_ps(c + r * ldc + q * 8, acc[r][q]);
+#elif defined(MH_NEON)
+  float32x4_t acc[MR][8];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 8; ++q) acc[r][q] = first ? vdupq_n_f32(0.f) : vld1q_f32(c + r * ldc + q * 4);
+  for (int64_t k = 0; k < kc; ++k) {
+    float32x4_t xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = vdupq_n_f32(x[r * ldx + k]);
+    for (int q = 0; q < 8; ++q) {
+      const float32x4_t wq = vld1q_f32(w + k * kTile + q * 4);
+      for (int r = 0; r < MR; ++r) acc[r][q] = vfmaq_f32(acc[r][q], xb[r], wq);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 8; ++q) vst1q_f32(c + r * ldc + q * 4, acc[r][q]);
 #else
   for (int r = 0; r < MR; ++r) {
     float acc[kTile];
@@ -410,7 +508,7 @@ void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t
                 int64_t N, int64_t group_size, float* out) {
   const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
   const int64_t tile_bytes = P * (INT4 ? kTile : 2 * kTile);
-#if defined(MH_AVX2)
+#if defined(MH_AVX2) || defined(MH_NEON)
   if (M <= 2) {  // dequantize in registers, two tiles at a time for one row (more independent chains)
     const int64_t TN = M == 1 ? 2 : 1;
     mh::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {

@@ -2,8 +2,9 @@
 //
 // Each variant library is built with its own flags (mindie_host/backends/cpu_extensions.py): portable (the
 // architecture's baseline: SSE2 on x86-64, plain C++ that the compiler vectorizes as it can, also the path of Arm
-// and every other CPU), avx2 (x86-64-v3: AVX2, FMA, F16C) and avx512 (x86-64-v4 with AVX512-BF16). MH_AVX512 and
-// MH_AVX2 say which vector paths a source compiles; every intrinsic sits inside their #if.
+// and every other CPU), avx2 (x86-64-v3: AVX2, FMA, F16C), avx512 (x86-64-v4 with AVX512-BF16) and neon (aarch64,
+// opt-in: built with -DMINDIE_HOST_NEON, hand-written NEON in the low-bit product only). MH_AVX512, MH_AVX2 and
+// MH_NEON say which vector paths a source compiles; every intrinsic sits inside their #if.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -15,12 +16,18 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MH_AVX2 1
 #define MH_VARIANT "avx2"
+#elif defined(MINDIE_HOST_NEON) && defined(__aarch64__) && defined(__ARM_NEON)
+#define MH_NEON 1
+#define MH_VARIANT "neon"
 #else
 #define MH_VARIANT "portable"
 #endif
 
 #if defined(MH_AVX512) || defined(MH_AVX2)
 #include <immintrin.h>
+#endif
+#if defined(MH_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace mh {
