@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Each CPU kernel of one variant against the torch operators it replaces, at a model's shapes.
 
-``--isa portable|avx2|avx512`` picks the kernels' variant and the CPU profile's dtypes (it sets
-``MINDIE_HOST_CPU_ISA``); ``--profile avx2`` also runs torch as on an AVX2 CPU: the process re-executes
+``--isa portable|avx2|avx512|neon`` picks the kernels' variant and the CPU profile's dtypes (it sets
+``MINDIE_HOST_CPU_ISA``; ``neon`` on an aarch64 machine, where it is the way to time the opt-in NEON low-bit
+product against ``portable``); ``--profile avx2`` also runs torch as on an AVX2 CPU: the process re-executes
 itself with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` (what
 ``bench/peers.py --profile avx2`` gives the servers). Medians of ``--repeat`` calls, in ms, for:
 
@@ -58,7 +59,7 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--isa", choices=["portable", "avx2", "avx512"], required=True)
+    ap.add_argument("--isa", choices=["portable", "avx2", "avx512", "neon"], required=True)
     ap.add_argument("--profile", choices=["native", "avx2"], default="native", help="torch's instruction set")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="135m")
     ap.add_argument("--rows", default="1,16,64,512")
