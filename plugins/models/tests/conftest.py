@@ -1,7 +1,7 @@
 """Tiny random models of each family, built from transformers' own config and model classes (session-scoped).
 
 Each config is small (a few layers, hidden 128, head dim 64 so the CPU attention kernels serve it) but sets what
-makes its family different: Qwen3's per-head norms and a sliding layer, Qwen2.5's bias, Mistral's window (both
+makes its family different: Qwen3's per-head norms and a sliding layer, Qwen2.5's (random) bias, Mistral's window (both
 builtin), GLM's partial interleaved
 rotary (and GLM-4's extra norms), Gemma 3's sliding and global layers with their own RoPE and a window shorter than
 the prompts, Phi-3's LongRoPE with prompts past ``original_max_position_embeddings``.
@@ -205,9 +205,25 @@ def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
             built[name] = make_tiny_model(
                 tmp_path_factory.mktemp(f"tiny-{name}"), config_class, model_class, **SPECS[name].keys
             )
+            randomize_zero_biases(built[name])
         return built[name]
 
     return get
+
+
+def randomize_zero_biases(directory: Path) -> None:
+    """Give the saved model's all-zero biases (Qwen2's and GLM's Q/K/V: transformers' initialisation leaves them
+    zero, which would check nothing of how a family reads them) random values, in place."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(0)
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        zero = [k for k, v in tensors.items() if k.endswith(".bias") and not v.any()]
+        if zero:
+            tensors.update({k: 0.2 * torch.randn(tensors[k].shape, generator=generator) for k in zero})
+            save_file(tensors, str(f), metadata={"format": "pt"})
 
 
 def prompts(vocab: int) -> list[list[int]]:

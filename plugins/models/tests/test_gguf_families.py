@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SPECS, prompts
+from conftest import SPECS, prompts, randomize_zero_biases
 from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import (
     convert_to_gguf,
@@ -74,15 +74,12 @@ NEW = 16
 
 def round_to_f16(directory: Path) -> None:
     """The directory's weights rounded to float16 (kept float32, so both sides compute alike), its all-zero biases
-    (Q/K/V's of Qwen2 and GLM: transformers' initialisation leaves them zero, which would check nothing) made
-    random first."""
-    import torch
+    made random first (:func:`conftest.randomize_zero_biases`)."""
     from safetensors.torch import load_file, save_file
 
-    generator = torch.Generator().manual_seed(0)
+    randomize_zero_biases(directory)
     for f in directory.glob("*.safetensors"):
-        tensors = {k: (0.2 * torch.randn(v.shape, generator=generator) if k.endswith(".bias") and not v.any() else v)
-                   .half().float() for k, v in load_file(str(f)).items()}
+        tensors = {k: v.half().float() for k, v in load_file(str(f)).items()}
         save_file(tensors, str(f), metadata={"format": "pt"})
 
 
