@@ -12,6 +12,8 @@
 * :class:`ForcedTokens` makes a model write a given text (a tool call, a reasoning block).
 * :func:`load_host` loads a host as the server would, without listeners;
   :func:`loaded_host` loads one with the engine in this process, for :func:`run_engine`.
+* :func:`child_process` runs functions in a fresh spawned process, whose memory (MindSpore's runtime, a model's
+  weights) goes back to the OS when it ends.
 * :class:`CopyProposer` drafts a known reference output, often wrongly, for speculative decoding's tests;
   :func:`run_with_plugin` runs requests with a plugin object registered for the run only.
 """
@@ -19,11 +21,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import multiprocessing
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,6 +310,20 @@ def wait_for(predicate: Any, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def child_process() -> Iterator[Executor]:
+    """One fresh Python process (spawned: nothing inherited but ``sys.path`` and the environment) to run functions
+    in, as ``child.submit(fn, *args).result()``; it exits when the block ends.
+
+    Memory a process has once used mostly stays with it (glibc's heaps, MindSpore's runtime, which keeps what its
+    graphs allocated until exit), so a test module that loads a large model in the test process leaves it to every
+    module after it. Run there, the work returns plain results (lists, floats) for the test to assert on, and its
+    memory is the OS's again when the module's fixture closes the block. ``fn`` and its arguments must pickle: a
+    module-level function of an importable module. An exception in the child is raised by ``result()``."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | None = None) -> Any:
