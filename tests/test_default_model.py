@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -61,16 +62,21 @@ def test_greedy_matches_transformers_on_default_model() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
-    host = loaded_host(server_config(None, model={"quantization": "none"}))  # the reference numerics
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
-    for i, q in enumerate(questions):
+    expected: list[tuple[list[int], list[int]]] = []  # (prompt, transformers' greedy tokens) per question
+    for q in questions:
         text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
                                  eos_token_id=None, min_new_tokens=16, pad_token_id=0)[0, len(ids):].tolist()
+        expected.append((ids, ref))
+    del model
+    gc.collect()  # transformers' model is gone before the host loads (3.4 GB in float32 with its packed copies)
+    host = loaded_host(server_config(None, model={"quantization": "none"}))  # the reference numerics
+    for i, (q, (ids, ref)) in enumerate(zip(questions, expected)):
         out = run_engine(host, [EngineRequest(f"q{i}", ids, SamplingParams(max_tokens=16, ignore_eos=True))])[f"q{i}"]
         assert out.token_ids == ref, q
 
@@ -109,6 +115,7 @@ def test_low_bit_weights_keep_the_default_models_next_tokens() -> None:
     seqs = [p + outs[f"q{i}"].token_ids for i, p in enumerate(prompts)]
     want = _teacher_forced_logits(ref, seqs, batched=True)  # fp32 torch operators: batch-invariant
     del ref
+    gc.collect()  # the reference host (3.4 GB with its packed copies) is gone before the other loads
     auto = loaded_host(server_config(None))
     assert type(auto.backend.model.layers[0].attn.qkv).__name__ == "FourBitWeight"
     for batched in (False, True):
