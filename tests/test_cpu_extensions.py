@@ -278,3 +278,22 @@ def test_the_opt_in_neon_variant_answers_right_under_qemu_with_the_avx2_variants
                     str(avx2_library), "-o", str(native)], check=True)
     avx2 = run_check([str(native)], "avx2")
     assert len(neon) == 2 and neon == avx2, (neon, avx2)
+
+
+def test_the_kernels_parallel_loops_use_every_torch_thread() -> None:
+    """The binding runs the kernels' parallel loops through at::parallel_for, whose parallel region is an OpenMP
+    pragma: built without ``-fopenmp`` every loop ran on the calling thread, and decode steps lost the second core
+    (40-60% slower on 2 cores, found by bench/peers.py)."""
+    import torch
+
+    binding = cpu_extensions._BINDING.get()
+    if binding is None:
+        pytest.skip("the kernels' binding could not be built here")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert binding.threads_used(64) == 2
+        torch.set_num_threads(1)
+        assert binding.threads_used(64) == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -15,6 +15,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <optional>
 #include <string>
 
@@ -201,6 +203,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prompt_attention", &Kernels::prompt_attention)
       .def("lowbit_matmul", &Kernels::lowbit_matmul)
       .def("silu_mul", &Kernels::silu_mul);
+  m.def("threads_used", [](int64_t n) {
+        std::pair<std::mutex, std::set<int>> seen;
+        parallel_for(0, n, 1, [](void* ctx, int64_t, int64_t) {
+          auto* s = static_cast<std::pair<std::mutex, std::set<int>>*>(ctx);
+          std::lock_guard<std::mutex> hold(s->first);
+          s->second.insert(at::get_thread_num());
+        }, &seen);
+        return static_cast<int64_t>(seen.second.size());
+      }, "How many of torch's threads the kernels' parallel loops run ``n`` one-item chunks on (a check that the "
+         "binding was built with the thread pool's OpenMP).");
   m.def("activate", [](const Kernels* k) { active.store(k); }, pybind11::arg("kernels").none(true),
         "Make ``kernels`` (or None) what the registered operators call; the caller keeps it alive.");
 }

@@ -169,11 +169,23 @@ class CppExtension:
     def _build(self) -> Any:
         from torch.utils.cpp_extension import load
 
-        flags = ["-O2", f"-DMINDIE_HOST_HEADERS={headers_digest(self.source.parent)}", *self.extra_flags]
+        flags = ["-O2", f"-DMINDIE_HOST_HEADERS={headers_digest(self.source.parent)}", *openmp_flags(),
+                 *self.extra_flags]
         build_dir = build_root() / self.name
         with exclusive_build(build_dir):
             return load(name=self.name, sources=[str(self.source)], extra_cflags=flags, build_directory=str(build_dir),
-                        verbose=False)
+                        extra_ldflags=list(openmp_flags()), verbose=False)
+
+
+def openmp_flags() -> tuple[str, ...]:
+    """``-fopenmp`` when torch's own thread pool is OpenMP's (its Linux builds), else nothing.
+
+    at::parallel_for is a header template whose parallel region is an OpenMP pragma: compiled without
+    ``-fopenmp`` it runs every range on the calling thread, and the kernels lose the second core (issue 36's
+    speed regression: decode steps 40-60% slower on 2 cores)."""
+    if sys.platform == "darwin" or "OpenMP" not in torch.__config__.parallel_info().split("parallel backend:")[-1][:40]:
+        return ()
+    return ("-fopenmp",)
 
 
 def first_line(exc: BaseException) -> str:

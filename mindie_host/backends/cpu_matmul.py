@@ -96,12 +96,12 @@ class LowBitTiles:
         """``x @ W.T`` in float32 for ``x [M, K]``, in the kernel's activation dtype (:func:`activation_dtype`)."""
         if x.shape[1] % 2:
             raise ValueError("K must be even")
-        x = x.to(activation_dtype()).contiguous()
         if torch.compiler.is_compiling():  # the registered operator (C++ all the way; see lowbit_matmul.cpp)
-            return torch.ops.mindie_host_cpu.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n,
-                                                           self.group_size)
-        return cpu_extensions.active("lowbit_matmul").lowbit_matmul(x, self.codes, self.scale, self.offset, self.n,
-                                                                    self.group_size)
+            return torch.ops.mindie_host_cpu.lowbit_matmul(x.to(activation_dtype()).contiguous(), self.codes,
+                                                           self.scale, self.offset, self.n, self.group_size)
+        mod = cpu_extensions.active("lowbit_matmul")  # one lookup per call: a decode step makes ~200 of them
+        x = x.to(torch.bfloat16 if mod.lowbit_takes_bfloat16 else torch.float32).contiguous()
+        return mod.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n, self.group_size)
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codes ``[N, K]`` (uint8 4-bit codes or int8), scales and offsets ``[N, K / group_size]`` back out of
