@@ -94,6 +94,25 @@ def test_mixed_step_gives_each_kind_of_row_its_own_bits(auto: TorchBackend) -> N
     assert torch.equal(mixed[1], prefill(auto, [2])[0])
 
 
+def test_a_step_whose_prompt_rows_are_not_one_run_serves_each_row_its_own_bits(auto: TorchBackend) -> None:
+    """Prompt rows on both sides of a generated one (a prompt chunk, a decode, a prompt chunk; a sequence recomputed
+    after preemption also brings prompt and generated tokens in one chunk): the rows are picked by index, not by a
+    slice, and each row still gets the bits it gets alone. Under load this step failed (index_put of bfloat16
+    prompt products into a float32 output) and the scheduling-policy benchmark lost requests to it."""
+    prefill(auto, [0])
+    alone = auto.execute(ModelInput(
+        input_ids=[11], positions=[LENGTHS[0]], query_lens=[1], context_lens=[LENGTHS[0] + 1],
+        block_tables=[tables(0)], logits_indices=[0], row_variants=[-1], prompt_lens=[LENGTHS[0]]))
+    n2, n3 = LENGTHS[2], LENGTHS[3]
+    mixed = auto.execute(ModelInput(
+        input_ids=[*prompts()[2], 11, *prompts()[3]], positions=[*range(n2), LENGTHS[0], *range(n3)],
+        query_lens=[n2, 1, n3], context_lens=[n2, LENGTHS[0] + 1, n3], block_tables=[tables(2), tables(0), tables(3)],
+        logits_indices=[n2 - 1, n2, n2 + n3], row_variants=[-1, -1, -1], prompt_lens=[n2, LENGTHS[0], n3]))
+    assert torch.equal(mixed[1], alone[0])
+    assert torch.equal(mixed[0], prefill(auto, [2])[0])
+    assert torch.equal(mixed[2], prefill(auto, [3])[0])
+
+
 def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> None:
     reference = load("none")
     want = prefill(reference, [0, 2, 3])

@@ -143,9 +143,9 @@ def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: Prompt
     if prompt_rows.all:
         return out_prompt.to(x.dtype)
     out = x.new_empty(x.shape[0], down.shape[0])
-    out[prompt_rows.prompt_rows] = out_prompt
+    out[prompt_rows.prompt_rows] = out_prompt.to(out.dtype)  # index_put converts no dtype (see _by_kind)
     gate, up = gate_up.small_product(x[prompt_rows.generated_rows]).chunk(2, dim=-1)
-    out[prompt_rows.generated_rows] = down.small_product(F.silu(gate) * up)
+    out[prompt_rows.generated_rows] = down.small_product(F.silu(gate) * up).to(out.dtype)
     return out
 
 
@@ -264,8 +264,10 @@ class LowBitWeight:
             return F.linear(x.to(torch.bfloat16), self.prompt_weight).to(x.dtype)
         assert rows.prompt_rows is not None and rows.generated_rows is not None
         out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
-        out[rows.prompt_rows] = F.linear(x[rows.prompt_rows].to(torch.bfloat16), self.prompt_weight)
-        out[rows.generated_rows] = self.small_product(x[rows.generated_rows])
+        # a row index (rows not in one run: a recomputed sequence's prompt and generated tokens between others)
+        # assigns through index_put, which does not convert dtypes as a slice's copy does
+        out[rows.prompt_rows] = F.linear(x[rows.prompt_rows].to(torch.bfloat16), self.prompt_weight).to(out.dtype)
+        out[rows.generated_rows] = self.small_product(x[rows.generated_rows]).to(out.dtype)
         return out
 
 
