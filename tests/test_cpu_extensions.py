@@ -172,12 +172,23 @@ AARCH64_CXX = "aarch64-linux-gnu-g++"
 X86_FLAGS = ("-march=x86", "-mtune=generic", "-mavx", "-mfma", "-mf16c", "-mbmi", "-msse", "-mmovbe", "-mlzcnt")
 
 
-def binding_syntax_check() -> subprocess.Popen[str]:
+def binding_syntax_check(shims: Path) -> subprocess.Popen[str]:
     """binding.cpp, the one source that includes torch's headers, syntax-checked for aarch64 as torch's loader would
-    compile it (C++20, torch's and Python's include folders: the x86 wheel's headers, architecture-neutral)."""
+    compile it (C++20, torch's and Python's include folders: the x86 wheel's headers, architecture-neutral).
+
+    Debian's own Python (CI's) has a multiarch ``pyconfig.h`` that includes ``<aarch64-linux-gnu/python3.X/
+    pyconfig.h>`` for an aarch64 target, which only Debian's arm64 Python package installs: a shim in ``shims``
+    stands in with this machine's (both LP64 Linux; a syntax check, nothing is linked or run)."""
     from torch.utils.cpp_extension import include_paths
 
-    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    python_include = Path(sysconfig.get_paths()["include"])
+    version = python_include.name  # python3.X
+    native = Path("/usr/include/x86_64-linux-gnu") / version / "pyconfig.h"
+    if native.exists():
+        shim = shims / "aarch64-linux-gnu" / version / "pyconfig.h"
+        shim.parent.mkdir(parents=True, exist_ok=True)
+        shim.write_text(f'#include "{native}"\n')
+    includes = [*include_paths(), str(python_include), str(shims)]
     return subprocess.Popen([AARCH64_CXX, "-std=c++20", "-fsyntax-only", "-march=armv8-a",
                              "-DTORCH_EXTENSION_NAME=mindie_host_cpu_binding", "-DTORCH_API_INCLUDE_EXTENSION_H",
                              "-DMINDIE_HOST_HEADERS=0", *(f for d in includes for f in ("-isystem", d)),
@@ -195,7 +206,7 @@ def test_an_aarch64_host_builds_only_the_portable_kernels_for_armv8_and_they_ans
     syntax-checked for aarch64 against torch's headers meanwhile; tests/cpu_kernels_check.cpp, linked to the library,
     runs under qemu-aarch64 where it is installed (each kernel against a double-precision loop, and a low-bit row's
     bits alone and among others)."""
-    binding = binding_syntax_check()
+    binding = binding_syntax_check(tmp_path / "shims")
     monkeypatch.setattr(cpu_profile, "features", lambda: CpuFeatures("aarch64", frozenset({"fp", "asimd", "bf16"})))
     monkeypatch.delenv(cpu_profile.ENV, raising=False)
     monkeypatch.setenv("CXX", AARCH64_CXX)
