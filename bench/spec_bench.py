@@ -68,6 +68,8 @@ LABELS = {
 
 #: ``--no-compile``: eager decode steps (quick sanity runs; the measurements keep peers.json's compiled ones)
 COMPILE = True
+#: ``--plugins``: config.json ``Plugins`` sections given on the command line (e.g. the llma plugin's k)
+PLUGINS: dict[str, dict[str, Any]] = {}
 
 
 def mindie_config(system: str) -> dict[str, Any]:
@@ -82,6 +84,9 @@ def mindie_config(system: str) -> dict[str, Any]:
     if system == "self-spec":
         plugins.append("draft_model")
         cfg["Plugins"] = {"draft_model": {"modelWeightPath": "", "quantization": "auto"}}
+    for name in plugins:
+        if name in PLUGINS:
+            cfg.setdefault("Plugins", {}).setdefault(name, {}).update(PLUGINS[name])
     model["plugin_params"] = json.dumps({"plugin_type": ",".join(plugins)})
     return cfg
 
@@ -202,9 +207,13 @@ def main() -> int:
     ap.add_argument("--logs", help="directory for mindie-host's logs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_bench.json"))
     ap.add_argument("--no-compile", action="store_true", help="eager decode steps (a quick sanity run)")
+    ap.add_argument("--plugins", default="{}",
+                    help='JSON: config.json "Plugins" sections for the plugins a system enables, e.g. '
+                         '\'{"llma": {"numSpeculativeTokens": 8}}\'')
     args = ap.parse_args()
     global COMPILE
     COMPILE = not args.no_compile
+    PLUGINS.update(json.loads(args.plugins))
     systems = args.systems.split(",")
     concs = [int(c) for c in args.conc.split(",")]
     loads = args.loads.split(",")

@@ -16,7 +16,7 @@ import torch
 
 from mindie_host.backends import cpu_matmul
 from mindie_host.backends.base import ModelInput
-from mindie_host.backends.linear import FourBitWeight, Int8Weight, LowBitWeight, PackedWeight
+from mindie_host.backends.linear import FourBitWeight, Int8Weight, LowBitWeight, PackedWeight, mkl_packing_available
 from mindie_host.backends.platform import Platform
 from mindie_host.backends.torch.backend import TorchBackend
 from mindie_host.config import ConfigError, config_from_dict
@@ -181,3 +181,18 @@ def test_quantization_is_validated_by_name() -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict(server_config(None, model={"quantization": "int3"}))
     assert "quantization" in str(err.value) and "none" in str(err.value)
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="no MKL packed GEMM in this torch build")
+def test_mkl_packed_copies_are_made_on_a_buckets_first_product_and_match_the_plain_product() -> None:
+    weight = torch.randn(96, HIDDEN)
+    packed = PackedWeight(weight)
+    assert packed.packed == {}  # nothing packed at load: each bucket's copy is as large as the weight
+    for rows in (1, 2, 100):  # below and above the buckets: the plain weight, and still nothing packed
+        x = torch.randn(rows, HIDDEN)
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, weight))
+    assert packed.packed == {}
+    for rows, made in ((5, {8}), (8, {8}), (12, {8, 16}), (40, {8, 16, 64})):
+        x = torch.randn(rows, HIDDEN)
+        torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert set(packed.packed) == made

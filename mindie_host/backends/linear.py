@@ -170,7 +170,10 @@ class PackedWeight:
 
     A product whose row count falls in a bucket range is padded up to the bucket
     and runs as a packed GEMM; others (one or two rows, long prefills) use the
-    plain weight.
+    plain weight. Each bucket's copy is as large as the weight, so it is packed on
+    the bucket's first product (:meth:`packed_for`), not at load: a server whose
+    batches never reach a bucket (or whose decode steps are compiled, which use
+    the plain weight) never holds its copy.
     """
 
     BUCKETS = (8, 16, 32, 64)
@@ -178,7 +181,15 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, buckets: tuple[int, ...] = BUCKETS) -> None:
         self.weight = weight
         self.buckets = buckets
-        self.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m) for m in buckets}
+        #: the packed copies made so far, by bucket
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def packed_for(self, bucket: int) -> torch.Tensor:
+        """The weight packed for products of ``bucket`` rows, packed now if this is the bucket's first product."""
+        packed = self.packed.get(bucket)
+        if packed is None:
+            packed = self.packed[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, bucket)
+        return packed
 
     @property
     def shape(self) -> torch.Size:
@@ -192,7 +203,7 @@ class PackedWeight:
         bucket = next(b for b in self.buckets if b >= rows)
         if bucket != rows:
             x = F.pad(x, (0, 0, 0, bucket - rows))
-        out = torch.ops.mkl._mkl_linear(x.contiguous(), self.packed[bucket], self.weight, bias, bucket)
+        out = torch.ops.mkl._mkl_linear(x.contiguous(), self.packed_for(bucket), self.weight, bias, bucket)
         return out[:rows] if bucket != rows else out
 
 
