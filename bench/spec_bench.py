@@ -134,13 +134,18 @@ def start_llama(system: str, slots: int) -> Server | None:
 
     gguf = str(default_model_path())
     extra: list[str] = []
+    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    # newer llama.cpp renamed --draft-max/--draft-min to --spec-draft-n-max/--spec-draft-n-min
+    n_max, n_min = ("--spec-draft-n-max", "--spec-draft-n-min") if "--spec-draft-n-max" in help_text else (
+        "--draft-max", "--draft-min")
     if system == "llama-md":
-        extra = ["-md", gguf, "--draft-max", "4", "--draft-min", "1"]
+        extra = ["-md", gguf, n_max, "4", n_min, "1"]
     elif system == "llama-lookup":
-        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
-        if "--spec-type" not in help_text:
+        if "ngram-simple" not in help_text:
             return None  # this build has no n-gram speculation in the server
-        extra = ["--spec-type", "ngram-simple", "--draft-max", "4"]
+        extra = ["--spec-type", "ngram-simple", n_max, "4"]
+        if "--spec-ngram-simple-size-n" in help_text:  # llma's longest n-gram (3) and k (4), not 12 and 48
+            extra += ["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4"]
     port = free_port()
     proc = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "-t", "2", "-np", str(slots), "-c",
                              str(slots * 4096), "--jinja", *extra], stdout=subprocess.DEVNULL,
