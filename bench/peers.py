@@ -449,7 +449,8 @@ def save(args: argparse.Namespace, results: dict[str, dict[int, dict[str, float]
 
 def table(results: dict[str, dict[int, dict[str, float]]], concs: list[int]) -> str:
     """One Markdown table; each row's ratio is against the reference system on the same workload."""
-    ref_name = next((r for r in REFERENCES if r in results), None)
+    systems = {name.partition("/")[0] for name in results}  # "llama" or "llama/varied": the system either way
+    ref_name = next((r for r in REFERENCES if r in systems), None)
     against = {"llama": "llama-server", "transformers": "transformers serve", "hf-generate": "HF generate"}.get(
         ref_name or "", "-")
     lines = [f"| system | conc | out tok/s | ratio vs {against} | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
