@@ -140,6 +140,8 @@ def start_llama(system: str, slots: int) -> Server | None:
         "--draft-max", "--draft-min")
     if system == "llama-md":
         extra = ["-md", gguf, n_max, "4", n_min, "1"]
+        if "draft-simple" in help_text:  # newer llama.cpp: no speculation unless a --spec-type names it
+            extra += ["--spec-type", "draft-simple"]
     elif system == "llama-lookup":
         if "ngram-simple" not in help_text:
             return None  # this build has no n-gram speculation in the server
