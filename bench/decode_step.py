@@ -104,6 +104,15 @@ def family_model(name: str, root: Path) -> Path:
                            **shape, **keys)
 
 
+def step_config(model_path: Path | None, max_seqs: int, per_seq: int, block_size: int, **model: Any) -> dict[str, Any]:
+    """A config for timing steps of up to ``max_seqs`` sequences of ``per_seq`` blocks each (plus a spare), with
+    ``model`` overriding ``ModelConfig`` keys (quantization, dtype, compile, kvCacheDtype)."""
+    return server_config(model_path, model={**model, "maxKvBlocks": max(1 + (max_seqs + 1) * per_seq, 65),
+                                            "cpuMemSize": 8},
+                         schedule={"cacheBlockSize": block_size, "maxBatchSize": max_seqs, "maxPrefillBatchSize": 0},
+                         deploy={"maxSeqLen": max(1024, per_seq * block_size)})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
@@ -126,12 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     per_seq = -(-(max(contexts_of(2, args.context, args.spread) + [2 * args.mixed_chunk]) + 1) // block_size)
-    cfg = server_config(model_path, model={"quantization": args.quantization, "dtype": args.dtype, "compile": args.compile,
-                                     "kvCacheDtype": args.kv_cache_dtype, "maxKvBlocks": max(1 + (max(batches) + 1) * per_seq, 65),
-                                     "cpuMemSize": 8},
-                        schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches) + (1 if args.mixed_chunk else 0),
-                                  "maxPrefillBatchSize": 0},
-                        deploy={"maxSeqLen": max(1024, per_seq * block_size)})
+    cfg = step_config(model_path, max(batches) + (1 if args.mixed_chunk else 0), per_seq, block_size,
+                      quantization=args.quantization, dtype=args.dtype, compile=args.compile,
+                      kvCacheDtype=args.kv_cache_dtype)
     host = loaded_host(cfg)
     backend = host.backend
     if args.compile:  # the decode step compiles in the background: time it once it is in use

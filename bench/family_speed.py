@@ -60,9 +60,9 @@ def paired(family: str, args: argparse.Namespace) -> dict[str, dict[str, float]]
     import time
 
     sys.path.insert(0, str(HERE))
-    from decode_step import contexts_of, decode_batch, family_model
+    from decode_step import contexts_of, decode_batch, family_model, step_config
 
-    from mindie_host.testing import loaded_host, server_config
+    from mindie_host.testing import loaded_host
 
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
@@ -70,11 +70,8 @@ def paired(family: str, args: argparse.Namespace) -> dict[str, dict[str, float]]
     backends = {}
     hosts = []
     for name in ("llama", family):
-        cfg = server_config(family_model(name, Path(args.family_dir)), model={
-            "quantization": "none", "kvCacheDtype": args.kv_cache_dtype, "cpuMemSize": 8,
-            "maxKvBlocks": max(1 + (max(batches) + 1) * per_seq, 65)},
-            schedule={"cacheBlockSize": block_size, "maxBatchSize": max(batches), "maxPrefillBatchSize": 0},
-            deploy={"maxSeqLen": max(1024, per_seq * block_size)})
+        cfg = step_config(family_model(name, Path(args.family_dir)), max(batches), per_seq, block_size,
+                          quantization="none", kvCacheDtype=args.kv_cache_dtype)
         hosts.append(loaded_host(cfg))
         backends[name] = hosts[-1].backend
     out = {}
