@@ -221,6 +221,12 @@ def main() -> int:
     global COMPILE
     COMPILE = not args.no_compile
     PLUGINS.update(json.loads(args.plugins))
+    enabled = {name for system in args.systems.split(",") if not system.startswith("llama") for name in json.loads(
+        mindie_config(system)["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"]
+    )["plugin_type"].split(",")}
+    if set(PLUGINS) - enabled:  # never ignored: a section for a plugin no system runs is a mistake
+        ap.error(f"--plugins: {sorted(set(PLUGINS) - enabled)} enabled by none of --systems (they enable: "
+                 f"{', '.join(sorted(enabled))})")
     systems = args.systems.split(",")
     concs = [int(c) for c in args.conc.split(",")]
     loads = args.loads.split(",")
