@@ -56,7 +56,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # -- pytest-xdist: the modules that hold the most memory run one after another, in one worker ---------------------
 #: Modules whose peak memory is a large share of the suite's budget (MindSpore's runtime, several default-model
-#: loads at once). Under ``-n 2 --dist loadgroup`` (the README's test line) they form one group, so two of them
+#: loads at once: test_pd.py's three default-model servers peak at 4.2 GB alone, test_ms_cluster.py's two at 3.4). Under ``-n 2 --dist loadgroup`` (the README's test line) they form one group, so two of them
 #: never overlap in the two workers; every other module is its own group, so module fixtures stay in one worker.
 HEAVY_MODULES = frozenset({
     "plugins/backends_ms/tests/test_backends_ms_correctness.py",
@@ -64,6 +64,8 @@ HEAVY_MODULES = frozenset({
     "tests/test_default_model.py",
     "tests/test_cpu_profiles.py",
     "tests/test_tensor_parallel.py",
+    "tests/test_pd.py",
+    "tests/test_ms_cluster.py",
 })
 
 

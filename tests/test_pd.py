@@ -1,7 +1,7 @@
 """PD disaggregation end to end: a real controller, coordinator, one P and two D servers (inferMode dmi).
 
 The servers run the default model (SmolLM2-135M-Instruct) as child processes; the reference
-is one mixed (standard) server with the same config. Through the coordinator every protocol,
+is one mixed (standard) server with the same config, whose answers are collected before the cluster starts. Through the coordinator every protocol,
 streamed or not, answers exactly what the mixed server answers (greedy), apart from ids and
 timings. Then a D instance is killed mid-load: every request completes through recompute and
 P holds no KV block afterwards.
@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,43 @@ def _configs(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return mixed, dmi
 
 
+def _kill_test_bodies() -> list[dict[str, Any]]:
+    return [{"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+             "max_tokens": 48, "temperature": 0, "stream": i % 2 == 0} for i in range(8)]
+
+
+@dataclass
+class Reference:
+    """What the mixed (standard) server answered, collected before the PD cluster starts, so its engine's memory
+    is given back before three more default-model servers load (the suite's run stays under 8 GB)."""
+
+    #: (protocol, stream) -> (status, content type, normalized body)
+    answers: dict[tuple[str, bool], tuple[int, str, Any]]
+    #: the standard server's answer to GET /dresult
+    dresult: str
+    #: the normalized answers to the kill test's bodies
+    kill_answers: list[Any]
+
+
+def _reference(mixed: dict[str, Any]) -> Reference:
+    with RunningServer(mixed) as server:
+        answers = {}
+        for protocol, (path, body, stream_path, stream_body) in CASES.items():
+            for stream, (p, b) in ((False, (path, body)), (True, (stream_path, stream_body))):
+                r = httpx.post(server.url + p, json=b, timeout=120)
+                answers[(protocol, stream)] = (r.status_code, r.headers["content-type"].split(";")[0],
+                                               normalize(r.text))
+        dresult = httpx.get(server.url + "/dresult", timeout=30).text
+        kill = [normalize(httpx.post(server.url + "/v1/chat/completions", json=b, timeout=120).text)
+                for b in _kill_test_bodies()]
+    return Reference(answers, dresult, kill)
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("pd")
     mixed, dmi = _configs(tmp)
+    reference = _reference(mixed)
     cluster = Cluster(
         tmp, 3, server_config=dmi,
         coordinator={"digs_scheduler_config": {"deploy_mode": "pd_separate", "scheduler_type": "digs_scheduler",
@@ -104,12 +138,11 @@ def pd(tmp_path_factory: pytest.TempPathFactory):
         controller={"deploy_mode": "pd_separate", "default_p_rate": 1, "default_d_rate": 2,
                     "rank_table_detecting_seconds": 1, "check_role_wait_seconds": 1},
     )
-    with RunningServer(mixed) as reference:
-        cluster.start(timeout=300)
-        try:
-            yield cluster, reference
-        finally:
-            cluster.stop()
+    cluster.start(timeout=300)
+    try:
+        yield cluster, reference
+    finally:
+        cluster.stop()
 
 
 def _roles(cluster: Cluster) -> dict[str, list[int]]:
@@ -133,12 +166,12 @@ def test_controller_assigns_one_p_and_two_d(pd: Any) -> None:
 def test_identical_to_a_mixed_instance(pd: Any, protocol: str, stream: bool) -> None:
     cluster, reference = pd
     path, body = CASES[protocol][2:] if stream else CASES[protocol][:2]
-    want = httpx.post(reference.url + path, json=body, timeout=120)
+    want_status, want_type, want = reference.answers[(protocol, stream)]
     got = httpx.post(cluster.url + path, json=body, timeout=120)
-    assert want.status_code == 200, want.text
+    assert want_status == 200, want
     assert got.status_code == 200, got.text
-    assert normalize(got.text) == normalize(want.text)
-    assert got.headers["content-type"].split(";")[0] == want.headers["content-type"].split(";")[0]
+    assert normalize(got.text) == want
+    assert got.headers["content-type"].split(";")[0] == want_type
 
 
 def test_dmi_restrictions_are_refused(pd: Any) -> None:
@@ -170,7 +203,7 @@ def test_server_side_checks(pd: Any) -> None:
                    headers={"req-id": "1", "req-type": "prefill", "d-target": "127.0.0.1"})
     assert r.status_code == 400 and "only to the prefill node" in r.text
     assert httpx.get(p_url + "/dresult", timeout=30).status_code == 400
-    assert httpx.get(reference.url + "/dresult", timeout=30).text.count("Non DMI") == 1
+    assert reference.dresult.count("Non DMI") == 1
     r = httpx.post(f"http://127.0.0.1:{p['management_port']}/v1/role/prefill", json={"local": {}}, timeout=30)
     assert r.status_code == 422 and "local.server_ip" in r.json()["error"]
     r = httpx.post(f"http://127.0.0.1:{p['management_port']}/v1/role/mixed", json={}, timeout=30)
@@ -191,9 +224,8 @@ def test_killing_a_decode_instance_mid_load_loses_no_request(pd: Any) -> None:
     roles = _roles(cluster)
     p_index = roles["prefill"][0]
     free_before = _held(cluster, p_index)
-    bodies = [{"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}],
-               "max_tokens": 48, "temperature": 0, "stream": i % 2 == 0} for i in range(8)]
-    want = [normalize(httpx.post(reference.url + "/v1/chat/completions", json=b, timeout=120).text) for b in bodies]
+    bodies = _kill_test_bodies()
+    want = reference.kill_answers
     victim = roles["decode"][0]
 
     def send(body: dict[str, Any]) -> tuple[int, str]:
