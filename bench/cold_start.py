@@ -14,9 +14,14 @@ and a fresh, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a temporary di
 ``MINDIE_HOST_CPU_ISA=avx2``, as ``bench/peers.py --profile avx2``). With ``TORCH_EXTENSIONS_DIR`` set to an
 empty directory the server also builds its CPU kernels, as on a machine that never ran it.
 
+``--config default`` starts the README's serve command as it is (no config file: the default config, eager
+decode steps), so only readiness and one c=1 load are timed. ``--drop-page-cache`` (root) drops the OS page
+cache first, so the model file and the Python packages are read from disk as on a first start.
+
 Prints one JSON line::
 
     python bench/cold_start.py                      # cold: a fresh inductor cache
+    TORCH_EXTENSIONS_DIR=$(mktemp -d) python bench/cold_start.py --config default --drop-page-cache
     python bench/cold_start.py --cache-dir /tmp/ind # warm, once that directory has been filled
     TORCH_EXTENSIONS_DIR=$(mktemp -d) python bench/cold_start.py --profile avx2
 """
@@ -71,7 +76,12 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=4, help="requests in each c=1 load")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--profile", choices=["native", "avx2"], default="native")
+    ap.add_argument("--drop-page-cache", action="store_true", help="drop the OS page cache first (needs root)")
     a = ap.parse_args()
+    default_config = a.config == "default"
+    if a.drop_page_cache:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     cache = a.cache_dir or tempfile.mkdtemp(prefix="inductor-cold-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, **PROFILES[a.profile]}
     port, mport, xport = free_port(), free_port(), free_port()
@@ -80,10 +90,13 @@ def main() -> None:
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "mindie_host.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--management-port", str(mport), "--metrics-port", str(xport), "--config", private_copy(a.config)],
+             "--management-port", str(mport), "--metrics-port", str(xport),
+             *([] if default_config else ["--config", private_copy(a.config)])],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir(),
         )
-    result: dict[str, Any] = {"config": a.config, "cache": "given" if a.cache_dir else "fresh", "profile": a.profile}
+    result: dict[str, Any] = {"config": a.config, "cache": "given" if a.cache_dir else "fresh", "profile": a.profile,
+                              "kernel_cache": os.environ.get("TORCH_EXTENSIONS_DIR", "default"),
+                              "page_cache": "dropped" if a.drop_page_cache else "as it was"}
     try:
         if wait_for(lambda: ready(f"http://127.0.0.1:{mport}"), a.timeout) is None:
             raise SystemExit(f"not ready after {a.timeout} s; see {log_path}")
@@ -92,19 +105,30 @@ def main() -> None:
         prompts = make_prompts(a.n, seed=5)
         model = "SmolLM2-135M-Instruct"
         result["while_compiling"] = asyncio.run(run(url, model, a.n, 1, 128, prompts))
-        if wait_for(lambda: COMPILED in log_path.read_text() or EAGER in log_path.read_text(), a.timeout) is None:
+        result["kernels_built"] = [line.split("] ", 1)[-1] for line in log_path.read_text().splitlines()
+                                   if "CPU kernels in" in line]
+        if default_config:  # eager decode steps: nothing compiles
+            result["eager"] = result.pop("while_compiling")
+        elif wait_for(lambda: COMPILED in log_path.read_text() or EAGER in log_path.read_text(), a.timeout) is None:
             raise SystemExit(f"the decode step did not compile within {a.timeout} s; see {log_path}")
-        result["compiled_s"] = round(time.monotonic() - start, 1)
-        result["decode"] = "compiled" if COMPILED in log_path.read_text() else "eager (compile stopped or failed)"
-        # other prompts than the first load's, so the prefix cache does not serve them
-        result["compiled"] = asyncio.run(run(url, model, a.n, 1, 128, make_prompts(a.n, seed=6)))
+        if not default_config:
+            _compiled(result, start, log_path, url, model, a.n)
     finally:
         server.terminate()
         server.wait(60)
-    for key in ("while_compiling", "compiled"):
-        r = result[key]
-        result[key] = {k: r[k] for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "errors")}
+    for key in ("while_compiling", "compiled", "eager"):
+        if key in result:
+            r = result[key]
+            result[key] = {k: r[k] for k in ("out_tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "errors")}
     print(json.dumps(result))
+
+
+def _compiled(result: dict[str, Any], start: float, log_path: Path, url: str, model: str, n: int) -> None:
+    """Time to compiled decode steps (or to the log's word that they stay eager), and a c=1 load after it."""
+    result["compiled_s"] = round(time.monotonic() - start, 1)
+    result["decode"] = "compiled" if COMPILED in log_path.read_text() else "eager (compile stopped or failed)"
+    # other prompts than the first load's, so the prefix cache does not serve them
+    result["compiled"] = asyncio.run(run(url, model, n, 1, 128, make_prompts(n, seed=6)))
 
 
 if __name__ == "__main__":
