@@ -35,8 +35,9 @@ pytestmark = pytest.mark.skipif(cpu_matmul.kernel() is None, reason="no C++ comp
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
 
 
-def write_tiny_gguf(path: Path, matrix_type: str = "Q4_1", embed_type: str = "Q8_0") -> Path:
-    """A random tiny Llama GGUF whose matrices are stored as ``matrix_type`` and its tied embedding as ``embed_type``."""
+def write_tiny_gguf(path: Path, matrix_type: str = "Q4_1", embed_type: str = "Q8_0", head_type: str | None = None) -> Path:
+    """A random tiny Llama GGUF whose matrices are stored as ``matrix_type`` and its tied embedding as ``embed_type``
+    (with ``head_type``, an untied LM head stored so)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -60,6 +61,8 @@ def write_tiny_gguf(path: Path, matrix_type: str = "Q4_1", embed_type: str = "Q8
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", (VOCAB, HIDDEN), embed_type, 1.0)
+    if head_type is not None:
+        add("output.weight", (VOCAB, HIDDEN), head_type)
     add("output_norm.weight", (HIDDEN,), "F32", 1.0)
     head = HIDDEN // HEADS
     for i in range(LAYERS):

@@ -80,6 +80,8 @@ class LowBitTiles:
             self.codes = pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], k // 2, 2 * TILE).contiguous()
         self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
         self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
+        #: whether any group has an offset (4-bit groups; 8-bit ones have none)
+        self.has_offset = codes.dtype == torch.uint8 or bool(offset.any())
 
     @staticmethod
     def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
@@ -115,6 +117,23 @@ class LowBitTiles:
         scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
         offset = self.offset.transpose(1, 2).reshape(nt * TILE, -1)
         return codes[: self.n], scale[: self.n], offset[: self.n]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight as float32 ``[len(ids), K]``, gathered from the tiles (an embedding lookup
+        from a tied LM head's or the embedding's own low-bit form): the exact values, only the rows asked for
+        dequantized."""
+        tile, col = ids // TILE, ids % TILE
+        nt, half, _ = self.codes.shape
+        if self.codes.dtype == torch.uint8:  # 4-bit: a pair of codes per byte
+            packed = self.codes[tile, :, col]  # [M, K/2]
+            codes = torch.stack([packed & 15, packed >> 4], -1).reshape(ids.shape[0], 2 * half)
+        else:
+            codes = self.codes.view(nt, half, TILE, 2)[tile, :, col].reshape(ids.shape[0], 2 * half)
+        scale = self.scale[tile, :, col][..., None]  # [M, G, 1]
+        groups = codes.float().view(ids.shape[0], -1, self.group_size) * scale
+        if self.has_offset:
+            groups = groups + self.offset[tile, :, col][..., None]
+        return groups.view(ids.shape[0], -1)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight these tiles stand for (for tests)."""

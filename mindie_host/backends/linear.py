@@ -58,6 +58,46 @@ def batch_invariant() -> bool:
     return os.environ.get("MINDIE_HOST_BATCH_INVARIANT", "1") != "0"
 
 
+#: the default of ``MINDIE_HOST_PROMPT_COPY_MIB``: the default 135M model's copies (about 260 MiB) fit, a 1B
+#: model's (about 2.3 GiB) do not
+PROMPT_COPY_MIB = 512
+
+
+def prompt_copy_budget() -> int:
+    """The bytes a model's bfloat16 prompt copies of its low-bit matrices may take (``MINDIE_HOST_PROMPT_COPY_MIB``,
+    default :data:`PROMPT_COPY_MIB`): over it, no matrix keeps one and prompt rows run through the low-bit kernel,
+    so the weights stay in the file's low-bit form only."""
+    raw = os.environ.get("MINDIE_HOST_PROMPT_COPY_MIB", str(PROMPT_COPY_MIB))
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"MINDIE_HOST_PROMPT_COPY_MIB must be a whole number of MiB >= 0; got {raw!r}")
+    return mib << 20
+
+
+class LazyDense:
+    """A dense ``[out, in]`` weight that is read only if a weight format needs it (a matrix the file also holds in
+    a low-bit form: :meth:`~mindie_host.backends.platform.Platform.prepare_linear` reads it for a bfloat16 prompt
+    copy or a dense fallback, never otherwise). Calling it reads it (once)."""
+
+    def __init__(self, read: Any, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._read = read
+        self._value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._read()
+        return self._value
+
+    @property
+    def read(self) -> bool:
+        """Whether the weight was read."""
+        return self._value is not None
+
+
 def prompt_bf16_enabled() -> bool:
     """Whether a low-bit matrix multiplies prompt tokens in bfloat16: on CPUs with native bfloat16 (the avx512
     profile), unless ``MINDIE_HOST_PROMPT_BF16=0`` keeps the low-bit kernel for them too. See :class:`PromptRows`."""

@@ -10,6 +10,7 @@ operators (the role vllm-ascend's Platform class plays for vLLM).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
     FourBitWeight,
     Int8Weight,
+    LazyDense,
     LowBitWeight,
     PackedWeight,
     PromptRows,
@@ -34,7 +36,10 @@ from .linear import (
     low_bit_kernels_available,
     mkl_packing_available,
     prompt_bf16_enabled,
+    prompt_copy_budget,
 )
+
+log = logging.getLogger("mindie_host.backends.platform")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -116,7 +121,36 @@ class Platform:
         return meta
 
     # -- operators ------------------------------------------------------------------
-    def prepare_linear(self, weight: torch.Tensor, stored: FourBitGroups | EightBitGroups | None = None) -> Any:
+    #: whether this model's low-bit matrices keep bfloat16 copies for prompt rows (:meth:`plan_prompt_copies`)
+    prompt_copies = True
+
+    def plan_prompt_copies(self, copy_bytes: int) -> None:
+        """Decide, for the model about to be prepared, whether its low-bit matrices keep a bfloat16 copy for prompt
+        rows: only while the copies (``copy_bytes``, 2 bytes a weight) fit the budget
+        (:func:`~mindie_host.backends.linear.prompt_copy_budget`); over it prompt rows run through the low-bit
+        kernel, as on CPUs without native bfloat16, and the weights stay in the file's low-bit form only. Logs the
+        choice once."""
+        if self.device_type != "cpu" or not copy_bytes or not low_bit_kernels_available():
+            self.prompt_copies = True
+            return
+        budget = prompt_copy_budget()
+        if not prompt_bf16_enabled():
+            self.prompt_copies = False
+            log.info("low-bit matrices: prompt rows through the low-bit kernel (no bfloat16 copies on this CPU "
+                     "profile)")
+            return
+        self.prompt_copies = copy_bytes <= budget
+        mib = f"{copy_bytes / (1 << 20):.0f} MiB"
+        if self.prompt_copies:
+            log.info("low-bit matrices: prompt rows through bfloat16 copies (%s, within MINDIE_HOST_PROMPT_COPY_MIB "
+                     "%d)", mib, budget >> 20)
+        else:
+            log.info("low-bit matrices: prompt rows through the low-bit kernel, weights kept only in the file's "
+                     "low-bit form (bfloat16 copies would take %s, over MINDIE_HOST_PROMPT_COPY_MIB %d)",
+                     mib, budget >> 20)
+
+    def prepare_linear(self, weight: torch.Tensor | LazyDense,
+                       stored: FourBitGroups | EightBitGroups | None = None) -> Any:
         """Turn a ``[out, in]`` weight into whatever :meth:`linear` wants (packed, quantized...).
 
         On x86 CPUs with MKL, fp32 weights are also pre-packed for a few batch-size
@@ -125,30 +159,39 @@ class Platform:
         the matrix when it is below 16 bits (its 4-bit or 8-bit groups); on CPU, products
         then read that low-bit form through this package's kernel (:mod:`mindie_host.backends.linear`),
         with a bfloat16 copy for prompt rows where the CPU profile has native bf16
-        (:mod:`~mindie_host.backends.cpu_profile`). Without the kernel they multiply the file's exact values
+        (:mod:`~mindie_host.backends.cpu_profile`) and the model's copies fit their budget
+        (:meth:`plan_prompt_copies`). Without the kernel they multiply the file's exact values
         in float32, with the activations rounded as the kernel rounds them (:class:`ReferenceWeight`): torch's own
-        low-bit CPU kernels run as slow reference loops without AVX-512 and round every output to bf16 with it."""
+        low-bit CPU kernels run as slow reference loops without AVX-512 and round every output to bf16 with it.
+
+        ``weight`` may be a :class:`~mindie_host.backends.linear.LazyDense` (with ``stored``): it is read only where
+        the dense values are kept (a prompt copy, a fallback), so a matrix served from its low-bit form alone is
+        never dequantized."""
+        def dense() -> torch.Tensor:
+            return weight() if isinstance(weight, LazyDense) else weight
+
         if self.device_type != "cpu" or weight.dtype != torch.float32:
-            return weight
+            return dense()
         if stored is None or not low_bit_kernels_available():
-            return PackedWeight(weight) if mkl_packing_available() else weight
+            return PackedWeight(dense()) if mkl_packing_available() else dense()
+        prompt_copy = prompt_bf16_enabled() and self.prompt_copies
         if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
             if not cpu_matmul.loaded():
-                if not prompt_bf16_enabled():
-                    return PackedWeight(weight) if mkl_packing_available() else weight
-                low: LowBitWeight = ReferenceWeight(weight)
+                if not prompt_copy:
+                    return PackedWeight(dense()) if mkl_packing_available() else dense()
+                low: LowBitWeight = ReferenceWeight(dense())
             else:
                 low = Int8Weight(stored, None) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, None)
-            if prompt_bf16_enabled():
-                low.keep_prompt_copy(weight)
+            if prompt_copy:
+                low.keep_prompt_copy(dense())
             return low
         if not cpu_matmul.loaded():
-            return PackedWeight(weight) if mkl_packing_available() else weight
+            return PackedWeight(dense()) if mkl_packing_available() else dense()
         low_bit: type[LowBitWeight] = Int8Weight if isinstance(stored, EightBitGroups) else FourBitWeight
         # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
         buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
-        dense: Any = PackedWeight(weight, buckets) if mkl_packing_available() and buckets else weight
-        return Int8Weight(stored, dense) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, dense)
+        packed: Any = PackedWeight(dense(), buckets) if mkl_packing_available() and buckets else dense()
+        return Int8Weight(stored, packed) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, packed)
 
     def prepare_int8(self, matrix: Int8Matrix, dtype: torch.dtype = torch.float32) -> Any:
         """Turn an int8 matrix of the ``w8a16`` / ``w8a8`` schemes into a weight :meth:`linear` calls

@@ -17,9 +17,11 @@ re-quantizing anything.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +127,40 @@ def load_arch(source: ModelSource, architectures: Architectures | None = None) -
 Sharding = Callable[[str], "tuple[int, int, int] | None"]  # ELSEWHERE (dim -1): not read by this rank
 
 
+#: Reads one canonical tensor when called: the float32 array :func:`iter_weights` yields for it.
+Reader = Callable[[], np.ndarray]
+
+
+def weight_readers(
+    source: ModelSource, arch: ModelArch | None = None, shard: Sharding | None = None,
+    family: Architecture | None = None,
+) -> dict[str, Reader]:
+    """``{canonical name: reader}`` for every tensor the model uses, in the file's order; nothing is read yet.
+
+    Each reader reads its tensor (a rank's slice of it with ``shard``) and returns it as float32, adapted by the
+    family, so a loader can turn each tensor into the form it is served in before reading the next (the peak is
+    one tensor's float32 copy, not the model's). A GGUF tensor the family splits (fused, a stack of experts) is
+    dequantized once and held until its last piece is read; its file pages are given back after each read.
+    """
+    family = family or family_of(source)
+    arch = arch or load_arch(source, Architectures.of(family))
+    if source.kind == "gguf":
+        raw = _gguf_readers(source.path, arch, family, shard)
+    else:
+        raw = _safetensors_readers(source.path, arch, family, shard)
+    return {name: partial(_adapted, family, name, read, arch) for name, read in raw.items()}
+
+
+def _adapted(family: Architecture, name: str, read: Reader, arch: ModelArch) -> np.ndarray:
+    return family.adapt(name, read(), arch)
+
+
 def iter_weights(
     source: ModelSource, arch: ModelArch | None = None, shard: Sharding | None = None,
     family: Architecture | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(canonical name, float32 array)`` for every tensor the model uses.
+    """Yield ``(canonical name, float32 array)`` for every tensor the model uses (:func:`weight_readers`, read
+    in the file's order).
 
     ``family`` (default: the builtin one that serves ``source``) names the checkpoint's tensors, splits its
     fused ones and adapts them (:class:`~mindie_host.models.architecture.Architecture`). With ``shard`` (a
@@ -137,14 +168,8 @@ def iter_weights(
     safetensors through the file's memory map, GGUF matrices by their rows (or their block-aligned columns)
     before dequantizing, so no rank holds a full copy.
     """
-    family = family or family_of(source)
-    arch = arch or load_arch(source, Architectures.of(family))
-    if source.kind == "gguf":
-        raw = _iter_gguf(source.path, arch, family, shard)
-    else:
-        raw = _iter_safetensors(source.path, arch, family, shard)
-    for name, array in raw:
-        yield name, family.adapt(name, array, arch)
+    for name, read in weight_readers(source, arch, shard, family).items():
+        yield name, read()
 
 
 def count_tensors(source: ModelSource, family: Architecture | None = None, arch: ModelArch | None = None) -> int:
@@ -168,11 +193,67 @@ def _gguf_pieces(name: str, shape: list[int], arch: ModelArch, family: Architect
     return [(n, family.tensor_pieces(n, arch)) for n in names or []]
 
 
-def _iter_gguf(path: Path, arch: ModelArch, family: Architecture,
-               shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Each GGUF tensor under its checkpoint name, in the checkpoint's form (:meth:`Architecture.from_gguf`), as
-    the family's pieces; a whole tensor is read only as far as a rank's slice, a split one whole."""
+def release_pages(tensor: Any) -> None:
+    """Give back the resident pages of a GGUF tensor's bytes (read through the file's memory map) once it has
+    been converted: they are the file's, read again from the page cache if touched, and would otherwise stay in
+    the process's RSS beside the converted forms."""
+    base = tensor.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    mm = getattr(base, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    stop = int(tensor.data_offset) + int(tensor.n_bytes)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+    except (OSError, ValueError):
+        pass  # an advice the kernel refuses changes nothing but the RSS
 
+
+class _SplitTensor:
+    """A GGUF tensor the family splits into pieces: dequantized (and put in the checkpoint's form) on the first
+    piece's read, held until the last piece is read."""
+
+    def __init__(self, tensor: Any, shape: list[int], names: list[str], arch: ModelArch, family: Architecture) -> None:
+        self.tensor, self.shape, self.names, self.arch, self.family = tensor, shape, names, arch, family
+        self.arrays: dict[int, np.ndarray] = {}
+        self.whole: np.ndarray | None = None
+        self.pending = 0
+
+    def read(self, index: int, piece: Piece, part: tuple[int, int, int] | None) -> np.ndarray:
+        if self.whole is None:
+            self.whole = _gguf_slice(self.tensor, self.shape, None)
+            release_pages(self.tensor)
+        if index not in self.arrays:
+            self.arrays[index] = self.family.from_gguf(
+                self.names[index], self.whole[index] if len(self.names) > 1 else self.whole, self.arch)
+        array = self.arrays[index]
+        rows = array if piece.rows is None else array[piece.rows[0] : piece.rows[1]]
+        if part is not None:
+            dim, lo, hi = part
+            rows = rows[lo:hi] if dim == 0 else rows[:, lo:hi]
+        out = np.ascontiguousarray(rows)
+        if out is rows and out.base is not None:
+            out = out.copy()  # not a view of the held tensor, which is dropped after its last piece
+        self.pending -= 1
+        if self.pending == 0:
+            self.arrays, self.whole = {}, None
+        return out
+
+
+def _gguf_piece(tensor: Any, shape: list[int], part: tuple[int, int, int] | None, name: str, arch: ModelArch,
+                family: Architecture) -> np.ndarray:
+    array = family.from_gguf(name, _gguf_slice(tensor, shape, part), arch)
+    release_pages(tensor)
+    return array
+
+
+def _gguf_readers(path: Path, arch: ModelArch, family: Architecture,
+                  shard: Sharding | None = None) -> dict[str, Reader]:
+    """A reader for each GGUF tensor's pieces under its checkpoint name, in the checkpoint's form
+    (:meth:`Architecture.from_gguf`); a whole tensor is read only as far as a rank's slice, a split one whole."""
+    out: dict[str, Reader] = {}
     for tensor in gguf_tensors(path):
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
         mapped = _gguf_pieces(tensor.name, shape, arch, family)
@@ -180,20 +261,17 @@ def _iter_gguf(path: Path, arch: ModelArch, family: Architecture,
             (name, (piece,)), = mapped
             part = shard(piece.name) if shard is not None else None
             if part is None or part[0] >= 0:
-                yield piece.name, family.from_gguf(name, _gguf_slice(tensor, shape, part), arch)
+                out[piece.name] = partial(_gguf_piece, tensor, shape, part, name, arch, family)
             continue
-        whole = _gguf_slice(tensor, shape, None)
-        for index, (name, pieces) in enumerate(mapped):
-            array = family.from_gguf(name, whole[index] if len(mapped) > 1 else whole, arch)
+        split = _SplitTensor(tensor, shape, [name for name, _ in mapped], arch, family)
+        for index, (_, pieces) in enumerate(mapped):
             for piece in pieces:
-                rows = array if piece.rows is None else array[piece.rows[0] : piece.rows[1]]
                 part = shard(piece.name) if shard is not None else None
                 if part is not None and part[0] < 0:
                     continue  # another rank's
-                if part is not None:
-                    dim, lo, hi = part
-                    rows = rows[lo:hi] if dim == 0 else rows[:, lo:hi]
-                yield piece.name, np.ascontiguousarray(rows)
+                split.pending += 1
+                out[piece.name] = partial(split.read, index, piece, part)
+    return out
 
 
 def _gguf_slice(tensor: Any, shape: list[int], part: tuple[int, int, int] | None) -> np.ndarray:
@@ -312,11 +390,27 @@ def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     return FourBitGroups(np.ascontiguousarray(codes), scale, offset, 32)
 
 
-def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
-                     family: Architecture | None = None) -> dict[str, FourBitGroups | EightBitGroups]:
-    """How the model file stores its matrices that are below 16 bits, under canonical names.
+@dataclass
+class LowBitReader:
+    """A matrix the model file stores below 16 bits, not read yet: its kind (``"int4"``: 4-bit groups, ``"int8"``:
+    8-bit groups), shape and group size; calling it reads the :class:`FourBitGroups` / :class:`EightBitGroups`
+    (then gives the file's pages back)."""
 
-    A Q4_0/Q4_1 matrix maps to its :class:`FourBitGroups`, a Q8_0 one to its :class:`EightBitGroups` (Q/K rows
+    kind: str
+    rows: int
+    cols: int
+    group_size: int
+    read: Callable[[], FourBitGroups | EightBitGroups]
+
+    def __call__(self) -> FourBitGroups | EightBitGroups:
+        return self.read()
+
+
+def low_bit_readers(source: ModelSource, arch: ModelArch | None = None,
+                    family: Architecture | None = None) -> dict[str, LowBitReader]:
+    """How the model file stores its matrices that are below 16 bits, under canonical names, as readers.
+
+    A Q4_0/Q4_1 matrix reads as its :class:`FourBitGroups`, a Q8_0 one as its :class:`EightBitGroups` (Q/K rows
     un-permuted where the converter permuted them); other types (K-quants, Q5, Q6, floats) are left out, and so
     are matrices the family splits (fused, stacks of experts), every matrix of a family whose rows are reordered
     after reading (:attr:`~mindie_host.models.architecture.Architecture.gguf_low_bit`) and everything of an HF
@@ -330,7 +424,9 @@ def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
     arch = arch or load_arch(source, Architectures.of(family))
     if not family.gguf_low_bit:
         return {}
-    out: dict[str, FourBitGroups | EightBitGroups] = {}
+    out: dict[str, LowBitReader] = {}
+    kinds = {gguf.GGMLQuantizationType.Q8_0: "int8", gguf.GGMLQuantizationType.Q4_0: "int4",
+             gguf.GGMLQuantizationType.Q4_1: "int4"}
     for tensor in gguf_tensors(source.path):
         mapped = _gguf_pieces(tensor.name, [int(d) for d in reversed(tensor.shape.tolist())], arch, family)
         if len(mapped) != 1 or len(mapped[0][1]) != 1 or mapped[0][1][0].rows is not None or len(tensor.shape) != 2:
@@ -338,21 +434,38 @@ def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
         hf = mapped[0][1][0].name
         if not hf.endswith("proj.weight") and hf != "lm_head.weight" and hf != "model.embed_tokens.weight":
             continue
-        groups: FourBitGroups | EightBitGroups | None = (
-            _eight_bit_from_gguf(tensor) if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
-            else _four_bit_from_gguf(tensor))
-        if groups is None:
+        kind = kinds.get(tensor.tensor_type)
+        if kind is None:
             continue
         heads = (arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
                  ) if family.gguf_permuted(arch) else 0
-        if heads and isinstance(groups, FourBitGroups):
-            groups = FourBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
-                                   groups.group_size)
-        elif heads:
-            groups = EightBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale)),
-                                    groups.group_size)
-        out[hf] = groups
+        out[hf] = LowBitReader(kind, int(tensor.shape[1]), int(tensor.shape[0]), 32,
+                               partial(_read_low_bit, tensor, heads))
     return out
+
+
+def _read_low_bit(tensor: Any, heads: int) -> FourBitGroups | EightBitGroups:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's groups, its rows un-permuted over ``heads`` heads (0: as stored)."""
+    import gguf
+
+    groups: FourBitGroups | EightBitGroups | None = (
+        _eight_bit_from_gguf(tensor) if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        else _four_bit_from_gguf(tensor))
+    assert groups is not None
+    release_pages(tensor)
+    if heads and isinstance(groups, FourBitGroups):
+        groups = FourBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale, groups.offset)),
+                               groups.group_size)
+    elif heads:
+        groups = EightBitGroups(*(unpermute_rows(a, heads) for a in (groups.codes, groups.scale)),
+                                groups.group_size)
+    return groups
+
+
+def low_bit_matrices(source: ModelSource, arch: ModelArch | None = None,
+                     family: Architecture | None = None) -> dict[str, FourBitGroups | EightBitGroups]:
+    """Every matrix of :func:`low_bit_readers`, read (all at once: a loader takes them one at a time)."""
+    return {name: read() for name, read in low_bit_readers(source, arch, family).items()}
 
 
 def _safetensor_files(directory: Path) -> list[Path]:
@@ -384,33 +497,42 @@ def fp8_block_size(directory: Path) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def _iter_safetensors(directory: Path, arch: ModelArch, family: Architecture,
-                      shard: Sharding | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Each piece of each tensor as float32; an FP8 block-scaled checkpoint's weights dequantized with their
-    ``weight_scale_inv`` blocks (read for the slice a rank reads only), the scales themselves not yielded."""
+def _safetensors_readers(directory: Path, arch: ModelArch, family: Architecture,
+                         shard: Sharding | None = None) -> dict[str, Reader]:
+    """A reader for each piece of each tensor, as float32; an FP8 block-scaled checkpoint's weights dequantized
+    with their ``weight_scale_inv`` blocks (read for the slice a rank reads only), the scales themselves not read
+    as tensors."""
     from safetensors import safe_open
 
     block = fp8_block_size(directory)
-    scales: dict[str, Path] = {}
-    if block is not None:
-        for f in _safetensor_files(directory):
-            with safe_open(str(f), framework="pt") as st:
-                scales.update({k: f for k in st.keys() if k.endswith(FP8_SCALE)})
+    keys: dict[str, Path] = {}
     for f in _safetensor_files(directory):
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if key in scales:
-                    continue
-                for piece in family.tensor_pieces(key, arch):
-                    part = shard(piece.name) if shard is not None else None
-                    if part is not None and part[0] < 0:
-                        continue  # another rank's (never read)
-                    tensor = _read_piece(st, key, piece, part).float()
-                    if key + FP8_SCALE in scales:
-                        assert block is not None
-                        tensor = _dequantize_fp8(tensor, scales[key + FP8_SCALE], key + FP8_SCALE, block,
-                                                 _read_span(st.get_slice(key).get_shape(), piece, part))
-                    yield piece.name, tensor.numpy()
+            keys.update({k: f for k in st.keys()})
+    scales = {k: f for k, f in keys.items() if block is not None and k.endswith(FP8_SCALE)}
+    out: dict[str, Reader] = {}
+    for key, f in keys.items():
+        if key in scales:
+            continue
+        for piece in family.tensor_pieces(key, arch):
+            part = shard(piece.name) if shard is not None else None
+            if part is not None and part[0] < 0:
+                continue  # another rank's (never read)
+            out[piece.name] = partial(_read_safetensor, f, key, piece, part, scales.get(key + FP8_SCALE), block)
+    return out
+
+
+def _read_safetensor(f: Path, key: str, piece: Piece, part: tuple[int, int, int] | None, scale_file: Path | None,
+                     block: tuple[int, int] | None) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as st:
+        tensor = _read_piece(st, key, piece, part).float()
+        if scale_file is not None:
+            assert block is not None
+            tensor = _dequantize_fp8(tensor, scale_file, key + FP8_SCALE, block,
+                                     _read_span(st.get_slice(key).get_shape(), piece, part))
+    return tensor.numpy()  # type: ignore[no-any-return]
 
 
 def _read_span(shape: list[int], piece: Piece, part: tuple[int, int, int] | None) -> tuple[int, int]:

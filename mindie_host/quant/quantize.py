@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..backends.base import ModelInput
 from ..backends.int8 import quantize_per_channel
+from ..backends.linear import LazyDense
 from ..backends.platform import Platform
 from ..models.weights import LlamaArch, ModelSource, iter_weights, load_arch, resolve_model
 from . import msmodelslim
@@ -69,8 +70,8 @@ class CalibrationPlatform(Platform):
     def __init__(self) -> None:
         self.stats: dict[int, ChannelStats] = {}
 
-    def prepare_linear(self, weight: torch.Tensor, stored: Any = None) -> Any:
-        return weight
+    def prepare_linear(self, weight: Any, stored: Any = None) -> Any:
+        return weight() if isinstance(weight, LazyDense) else weight
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
                prompt_rows: Any = None) -> torch.Tensor:

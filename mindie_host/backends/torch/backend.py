@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,12 @@ from ...models.architecture import Architecture, Architectures, ModelArch, Model
 from ...models.weights import (
     ModelSource,
     checkpoint_model_type,
-    count_tensors,
     family_of,
-    iter_weights,
     load_arch,
-    low_bit_matrices,
+    low_bit_readers,
+    weight_readers,
 )
-from ...quant.loader import int8_matrices, smoothed_checkpoint
+from ...quant.loader import checkpoint_format, int8_matrices, smoothed_checkpoint
 from ...quant.schemes import KV_INT8, check_scheme
 from .. import cpu_extensions, cpu_profile, cpu_selfcheck
 from ..base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
@@ -220,19 +220,20 @@ class TorchBackend(ModelBackend):
             self._kernel_build = threading.Thread(target=cpu_extensions.kernels, name="mindie-host-kernels",
                                                   daemon=True)
             self._kernel_build.start()
-        weights: dict[str, torch.Tensor] = {}
-        total = count_tensors(self.source, family, arch)
         tp = self.tp
         shard = None if tp is None else (lambda name: family.shard(name, arch, tp))
-        for i, (name, array) in enumerate(iter_weights(self.source, arch, shard, family), start=1):
-            weights[name] = torch.from_numpy(np.require(array, requirements="W"))  # GGUF floats are read-only maps
-            if self.progress is not None:
-                self.progress(i, total, name)
+        readers = weight_readers(self.source, arch, shard, family)
+        weights: dict[str, Any] = {}
+        for i, (name, read) in enumerate(readers.items(), start=1):
+            weights[name] = partial(self._read_weight, read, i, len(readers), name)
         stored: dict[str, Any] = {}
         if tp is None:
-            stored = low_bit_matrices(self.source, arch, family) if self.quantization == "auto" else {}
-            stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
-        self.load_cpu_kernels(self._model_shapes(arch, weights, stored))  # before the weights take their form
+            stored = dict(low_bit_readers(self.source, arch, family)) if self.quantization == "auto" else {}
+            if self.quantization in ("w8a16", "w8a8") or checkpoint_format(self.source) is not None:
+                weights = {name: read() for name, read in weights.items()}  # the int8 schemes take from all of them
+                stored.update(int8_matrices(self.source, arch.num_layers, weights, self.quantization))
+        self.load_cpu_kernels(self._model_shapes(arch, stored))  # before the weights take their form
+        kept_low_bit = len(stored)  # (the model takes them out of ``stored``)
         self.model = DecoderModel(arch, weights, self.platform, self.dtype, stored, tp, family)
         if tp is not None:
             self.arch = self.model.arch  # this rank's heads: the KV cache holds its KV heads only
@@ -240,7 +241,7 @@ class TorchBackend(ModelBackend):
             "loaded %s (%s family): %d layers, hidden %d, %s on %s%s",
             self.name, family.name, arch.num_layers, arch.hidden_size, str(self.dtype).removeprefix("torch."),
             self.platform.name,
-            f", {len(stored)} matrices also kept in the file's low-bit form" if stored else "",
+            f", {kept_low_bit} matrices served in the file's low-bit form" if kept_low_bit else "",
         )
         return ModelInfo.from_arch(
             self.name, arch, dtype=str(self.dtype).removeprefix("torch."), device=self.platform.name,
@@ -439,15 +440,23 @@ class TorchBackend(ModelBackend):
             cpu_selfcheck.check_and_turn_off(kernels, shapes)
             self._kernels_checked = True
 
-    def _model_shapes(self, arch: ModelArch, weights: dict[str, torch.Tensor],
-                      stored: dict[str, Any]) -> cpu_selfcheck.ModelShapes:
+    def _read_weight(self, read: Any, index: int, total: int, name: str) -> torch.Tensor:
+        """Read one tensor (when the model's layers take it), reporting progress."""
+        tensor = torch.from_numpy(np.require(read(), requirements="W"))  # GGUF floats are read-only maps
+        if self.progress is not None:
+            self.progress(index, total, name)
+        return tensor
+
+    def _model_shapes(self, arch: ModelArch, stored: dict[str, Any]) -> cpu_selfcheck.ModelShapes:
         """What the kernels' paths depend on in this model (this rank's heads under tensor parallelism)."""
-        from ...models.weights import EightBitGroups, FourBitGroups
+        from ...models.weights import EightBitGroups, FourBitGroups, LowBitReader
 
         ranks = 1 if self.tp is None else self.tp.world_size
         low_bit = set()
         for form in stored.values():
-            if isinstance(form, FourBitGroups | EightBitGroups):
+            if isinstance(form, LowBitReader):
+                low_bit.add((form.kind, form.cols, form.group_size))
+            elif isinstance(form, FourBitGroups | EightBitGroups):
                 kind = "int4" if isinstance(form, FourBitGroups) else "int8"
                 low_bit.add((kind, form.codes.shape[1], form.group_size))
         return cpu_selfcheck.ModelShapes(

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +29,6 @@ from .window import windowed_attention
 if TYPE_CHECKING:
     from ...distributed.tensor_parallel import TensorParallel
     from ...models.architecture import Architecture, ModelArch
-    from ...models.weights import EightBitGroups, FourBitGroups
     from ..base import LinearDeltas
     from ..linear import PromptRows
     from ..platform import AttentionMetadata, Platform
@@ -68,36 +68,56 @@ class Step:
 class ModelWeights:
     """A model's canonical tensors while its layers are built: each taken once, in the model's dtype and device.
 
-    ``stored`` says, by name, how the model file holds its low-bit matrices (4-bit or 8-bit groups) or which
-    are served in int8 (:class:`~mindie_host.backends.int8.Int8Matrix`); :meth:`linear` hands them to the platform.
+    ``weights`` holds each tensor, or a reader that reads it when it is taken (a float32 array or tensor: a
+    streaming loader, :func:`~mindie_host.models.weights.weight_readers`), so a model is read one tensor at a time,
+    each turned into the form it is served in before the next is read. ``stored`` says, by name, how the model file
+    holds its low-bit matrices (4-bit or 8-bit groups, or a :class:`~mindie_host.models.weights.LowBitReader` of
+    them) or which are served in int8 (:class:`~mindie_host.backends.int8.Int8Matrix`); :meth:`linear` hands them to
+    the platform, which reads a low-bit matrix's dense values only where it keeps them.
     """
 
     def __init__(
         self,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Any],
         platform: Platform,
         dtype: torch.dtype,
-        stored: dict[str, FourBitGroups | EightBitGroups | Int8Matrix] | None = None,
+        stored: dict[str, Any] | None = None,
     ) -> None:
         self.weights = weights
         self.platform = platform
         self.dtype = dtype
         self.device = platform.device()
         self.stored = stored or {}
+        #: dense tensors read while preparing a product that a later :meth:`tensor` takes (:meth:`linear` ``keep``)
+        self.kept: dict[str, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
         """Whether tensor ``name`` is there (and not taken yet)."""
-        return name in self.weights or isinstance(self.stored.get(name), Int8Matrix)
+        return name in self.weights or name in self.kept or isinstance(self.stored.get(name), Int8Matrix)
 
     def tensor(self, name: str) -> torch.Tensor:
         """Take tensor ``name``, in the model's dtype on its device."""
+        if name in self.kept:
+            self.weights.pop(name, None)
+            return self.kept.pop(name)
         if name not in self.weights:
             raise KeyError(f"the checkpoint has no tensor {name!r}")
-        return self.weights.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+        value = self.weights.pop(name)
+        if callable(value):
+            value = value()
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.require(value, requirements="W"))  # GGUF floats are read-only maps
+        return value.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def drop(self, name: str) -> None:
+        """Take tensor ``name`` (if the checkpoint has it) without reading it: nothing serves it."""
+        self.weights.pop(name, None)
+        self.kept.pop(name, None)
+        self.stored.pop(name, None)
 
     def optional(self, name: str) -> torch.Tensor | None:
         """Take tensor ``name`` if the checkpoint has it."""
-        return self.tensor(name) if name in self.weights else None
+        return self.tensor(name) if name in self.weights or name in self.kept else None
 
     def biases(self, *names: str) -> torch.Tensor | None:
         """The biases ``names`` stacked (a fused product's), or None when the checkpoint has none of them."""
@@ -108,28 +128,69 @@ class ModelWeights:
             raise KeyError(f"the checkpoint has {present} but not {sorted(set(names) - set(present))}")
         return torch.cat([self.tensor(n) for n in names]) if len(names) > 1 else self.tensor(names[0])
 
-    def linear(self, *names: str) -> Any:
-        """One prepared product for these ``[out, in]`` matrices stacked by rows (fused QKV, gate and up)."""
+    def low_bit_bytes(self) -> int:
+        """What bfloat16 copies of every low-bit matrix would take (2 bytes a weight)."""
+        from ...models.weights import EightBitGroups, FourBitGroups, LowBitReader
+
+        total = 0
+        for form in self.stored.values():
+            if isinstance(form, LowBitReader):
+                total += 2 * form.rows * form.cols
+            elif isinstance(form, FourBitGroups | EightBitGroups):
+                total += 2 * form.codes.size
+        return total
+
+    def low_bit(self, *names: str) -> Any:
+        """Take the low-bit forms of ``names`` stacked by rows (read now), or None unless all have one of one kind."""
+        from ...models.weights import EightBitGroups, FourBitGroups, LowBitReader
+
+        if not all(n in self.stored and not isinstance(self.stored[n], Int8Matrix) for n in names):
+            return None
+        forms = []
+        for n in names:  # one at a time: each read's temporaries go before the next
+            form = self.stored.pop(n)
+            forms.append(form() if isinstance(form, LowBitReader) else form)
+        if all(isinstance(f, FourBitGroups) for f in forms):
+            return FourBitGroups.concat(forms) if len(forms) > 1 else forms[0]
+        if all(isinstance(f, EightBitGroups) for f in forms):
+            return EightBitGroups.concat(forms) if len(forms) > 1 else forms[0]
+        return None
+
+    def linear(self, *names: str, keep: bool = False) -> Any:
+        """One prepared product for these ``[out, in]`` matrices stacked by rows (fused QKV, gate and up).
+
+        A matrix the file holds low-bit is handed to the platform with its dense values unread
+        (:class:`~mindie_host.backends.linear.LazyDense`): they are read only if the platform keeps them. ``keep``
+        (one name) leaves a dense tensor read here for a later :meth:`tensor` (a tied embedding), and the name
+        untaken when nothing read it."""
         int8 = [self.stored.get(n) for n in names]
         if all(isinstance(m, Int8Matrix) for m in int8):  # the w8a16 / w8a8 schemes
             for n in names:
                 self.stored.pop(n)
             matrix = Int8Matrix.concat(int8) if len(int8) > 1 else int8[0]  # type: ignore[arg-type]
             return self.platform.prepare_int8(matrix, self.dtype)  # type: ignore[arg-type]
-        from ...models.weights import EightBitGroups, FourBitGroups
+        from ..linear import LazyDense
 
-        dense = torch.cat([self.tensor(n) for n in names]) if len(names) > 1 else self.tensor(names[0])
-        forms = [self.stored.get(n) for n in names]
-        form: FourBitGroups | EightBitGroups | None = None
-        if all(isinstance(f, FourBitGroups) for f in forms):
-            form = FourBitGroups.concat(forms)  # type: ignore[arg-type]
-        elif all(isinstance(f, EightBitGroups) for f in forms):
-            form = EightBitGroups.concat(forms)  # type: ignore[arg-type]
-        return self.platform.prepare_linear(dense.contiguous(), form)
+        def dense() -> torch.Tensor:
+            out = (torch.cat([self.tensor(n) for n in names]) if len(names) > 1 else self.tensor(names[0])).contiguous()
+            if keep:
+                self.kept[names[0]] = out
+            return out
+
+        form = self.low_bit(*names)
+        if form is None:
+            return self.platform.prepare_linear(dense(), None)
+        lazy = LazyDense(dense, self.dtype)
+        prepared = self.platform.prepare_linear(lazy, form)
+        if not lazy.read and not keep:
+            for n in names:
+                self.weights.pop(n, None)  # served from the low-bit form alone: never read
+        return prepared
 
     def left(self) -> list[str]:
         """Names of the tensors no layer took."""
-        return sorted(set(self.weights) | {n for n, m in self.stored.items() if isinstance(m, Int8Matrix)})
+        return sorted(set(self.weights) | set(self.kept)
+                      | {n for n, m in self.stored.items() if isinstance(m, Int8Matrix)})
 
 
 class Attention:

@@ -23,8 +23,9 @@ from ...models.llama import LLAMA
 from ...models.rope import Rope, rope_of
 from ...models.weights import EightBitGroups, FourBitGroups
 from ..base import LinearDeltas, ModelInput
+from ..cpu_matmul import LowBitTiles
 from ..int8 import Int8Matrix
-from ..linear import PromptRows
+from ..linear import PromptRows, low_bit_kernels_available
 from ..platform import AttentionMetadata, Platform, ragged
 from .graphs import DecodeGraphs
 from .layers import KVSpec, ModelWeights, Step, dense_layer
@@ -78,15 +79,12 @@ class DecoderModel:
         self.scale = arch.attention_scale if arch.attention_scale is not None else 1.0 / math.sqrt(arch.head_dim)
 
         w = ModelWeights(weights, platform, dtype, stored)
-        self.embed = self._vocab_rows(w.tensor("model.embed_tokens.weight"))
+        platform.plan_prompt_copies(w.low_bit_bytes())
+        #: the embedding table (``[vocab, hidden]`` in the model's dtype), or the low-bit tiles its rows are
+        #: gathered from (:meth:`~mindie_host.backends.cpu_matmul.LowBitTiles.rows`) when the file holds it low-bit
+        self.embed: torch.Tensor | LowBitTiles
+        self.lm_head_linear, self.embed = self._embedding_and_head(arch, w)
         self.final_norm = w.tensor("model.norm.weight")
-        if arch.tie_word_embeddings or not w.has("lm_head.weight"):
-            w.optional("lm_head.weight")  # a tied checkpoint may hold the head too: the embedding serves
-            self.lm_head = self.embed
-        else:
-            self.lm_head = self._vocab_rows(w.tensor("lm_head.weight"))
-        head_name = "model.embed_tokens.weight" if self.lm_head is self.embed else "lm_head.weight"
-        self.lm_head_linear = platform.prepare_linear(self.lm_head, w.stored.get(head_name))
         self.layers: list[Any] = []
         for i in range(arch.num_layers):
             layer = self.family.build_layer(i, arch, w)
@@ -110,6 +108,39 @@ class DecoderModel:
         self.compiled_max_seqs = 0
         self.compiled_steps = 0  # decode steps that ran compiled (for stats and tests)
         self.graphs: DecodeGraphs | None = None
+
+    def _embedding_and_head(self, arch: ModelArch, w: ModelWeights) -> tuple[Any, torch.Tensor | LowBitTiles]:
+        """The prepared LM head and the embedding table (a tied checkpoint's one tensor serves both). On CPU, a
+        table the file holds low-bit is looked up from its low-bit tiles (the tied head's own), never read dense
+        unless the head's product keeps it dense."""
+        embed = "model.embed_tokens.weight"
+        tied = arch.tie_word_embeddings or not w.has("lm_head.weight")
+        if tied:
+            w.drop("lm_head.weight")  # a tied checkpoint may hold the head too: the embedding serves
+        if self.tp is not None:  # each rank's rows, padded: dense
+            table = self._vocab_rows(w.tensor(embed))
+            head = table if tied else self._vocab_rows(w.tensor("lm_head.weight"))
+            return self.platform.prepare_linear(head, None), table
+        lookup = self.device.type == "cpu" and low_bit_kernels_available()
+        if tied:
+            head_linear = w.linear(embed, keep=True)
+            tiles = getattr(head_linear, "tiles", None)
+            if lookup and isinstance(tiles, LowBitTiles):
+                w.drop(embed)
+                return head_linear, tiles
+            return head_linear, w.tensor(embed)
+        form = w.low_bit(embed) if lookup else None
+        if form is not None:
+            w.drop(embed)
+            table: torch.Tensor | LowBitTiles = (
+                LowBitTiles.four_bit(torch.from_numpy(form.codes), torch.from_numpy(form.scale),
+                                     torch.from_numpy(form.offset), form.group_size)
+                if isinstance(form, FourBitGroups) else
+                LowBitTiles(torch.from_numpy(form.codes), torch.from_numpy(form.scale),
+                            torch.zeros_like(torch.from_numpy(form.scale)), form.group_size))
+        else:
+            table = w.tensor(embed)
+        return w.linear("lm_head.weight"), table
 
     @property
     def kv_specs(self) -> list[KVSpec]:
@@ -399,7 +430,10 @@ class DecoderModel:
             rope = {key: (cos[pos], sin[pos]) for key, (cos, sin) in self.tables.items()}
         step = Step(platform=plat, meta=meta, kv_caches=kv_caches, deltas=deltas, prompt_rows=prompt_rows, tp=self.tp,
                     rope={key: (cos.unsqueeze(1), sin.unsqueeze(1)) for key, (cos, sin) in rope.items()})
-        x = F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed, self.vocab_size)
+        if isinstance(self.embed, LowBitTiles):
+            x = self.embed.rows(ids).to(self.dtype)
+        else:
+            x = F.embedding(ids, self.embed) if self.tp is None else self.tp.embed(ids, self.embed, self.vocab_size)
         if self.embedding_multiplier is not None:
             x = x * self.embedding_multiplier
         if embeds is not None:  # e.g. image features at their placeholder tokens
