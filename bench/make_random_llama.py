@@ -24,6 +24,9 @@ SHAPES: dict[str, dict[str, float | int]] = {
     # Llama-3.2-1B's layer shapes (GQA, 16 layers) on the SmolLM2 vocabulary
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    # Llama-3.2-3B's layer shapes (GQA, 28 layers) on the SmolLM2 vocabulary
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
     # for trying the benchmark on a CPU
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0),
@@ -63,6 +66,8 @@ def main() -> int:
         **SHAPES[args.shape],
     )
     dtype = getattr(torch, args.dtype)
+    if args.shape == "llama-3b":  # drawn in the target dtype: a float32 draw would need 13 GB
+        torch.set_default_dtype(dtype)
     with torch.device(args.device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     params = sum(p.numel() for p in model.parameters())
