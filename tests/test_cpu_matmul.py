@@ -59,9 +59,15 @@ def test_eight_bit_groups_match_the_codes_times_their_scale(cpu_variant: object)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 7, 64])
-def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant: object, rows: int) -> None:
-    groups = four_bit(576, 1536, seed=3, q4_1=True)
-    weight = FourBitWeight(groups, None)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant: object, rows: int, bits: int) -> None:
+    if bits == 4:
+        weight: FourBitWeight | Int8Weight = FourBitWeight(four_bit(576, 1536, seed=3, q4_1=True), None)
+    else:  # 8-bit groups (Q8_0, e.g. the default model's tied LM head), 300 columns: a ragged last tile
+        g = torch.Generator().manual_seed(5)
+        codes = torch.randint(-127, 128, (300, 1536), generator=g, dtype=torch.int8)
+        weight = Int8Weight(EightBitGroups(codes.numpy(), (torch.rand(300, 1536 // 32, generator=g) * 0.01).numpy()),
+                            None)
     x = torch.randn(64, 1536, generator=torch.Generator().manual_seed(4))
     together = weight.small_product(x[:rows])
     alone = torch.cat([weight.small_product(x[i : i + 1]) for i in range(rows)])

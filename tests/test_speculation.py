@@ -130,15 +130,17 @@ def test_prefix_cache_keys_only_accepted_tokens(host: Any, reference: dict[str, 
     assert kv.num_used_blocks() == 0
 
 
-def test_verification_rows_are_decode_rows(tmp_path: Path) -> None:
+def test_verification_rows_are_decode_rows(tmp_path: Path, cpu_variant: Any) -> None:
     """On a batch-invariant (low-bit) model, a sequence's verification rows carry the bits of plain decode
-    steps at those positions, alone and beside another sequence's rows."""
+    steps at those positions, alone and beside another sequence's rows, on every kernel variant this CPU runs,
+    for 1, 2 and 4 drafts (2, 3 and 5 rows: the low-bit products' two-row, register and six-row paths; beside
+    another sequence 4, 6 and 10 rows, the last through the buffered path)."""
     from test_low_bit_weights import VOCAB, loaded, write_tiny_gguf
 
     from mindie_host.backends.base import ModelInput
 
     backend = loaded(write_tiny_gguf(tmp_path / "tiny.gguf"), "auto")
-    ctx, drafts = 20, [5, 17, 42, 9]
+    ctx, tokens = 20, [5, 17, 42, 9, 33]
     prompt = [(7 * t + 3) % VOCAB for t in range(ctx)]
 
     def prefill(table: list[int]) -> None:
@@ -149,18 +151,19 @@ def test_verification_rows_are_decode_rows(tmp_path: Path) -> None:
     prefill([0, 1])
     sequential = torch.cat([backend.execute(ModelInput(
         input_ids=[t], positions=[ctx + j], query_lens=[1], context_lens=[ctx + j + 1], block_tables=[[0, 1]],
-        logits_indices=[0], row_variants=[-1], prompt_lens=[ctx])) for j, t in enumerate(drafts)])
-    for other in (False, True):
-        prefill([2, 3])
-        rows = len(drafts)
-        n = rows * (2 if other else 1)
-        tables = [[2, 3]] * rows + [[4, 5]] * (n - rows)
-        positions = [ctx + j for j in range(rows)] * (n // rows)
-        verified = backend.execute(ModelInput(
-            input_ids=(drafts + drafts[::-1])[:n], positions=positions, query_lens=[1] * n,
-            context_lens=[p + 1 for p in positions], block_tables=tables, logits_indices=list(range(n)),
-            row_variants=[-1] * n, prompt_lens=[ctx] * n))
-        assert torch.equal(verified[:rows], sequential), other
+        logits_indices=[0], row_variants=[-1], prompt_lens=[ctx])) for j, t in enumerate(tokens)])
+    for rows in (2, 3, 5):
+        drafts = tokens[:rows]
+        for other in (False, True):
+            prefill([2, 3])
+            n = rows * (2 if other else 1)
+            tables = [[2, 3]] * rows + [[4, 5]] * (n - rows)
+            positions = [ctx + j for j in range(rows)] * (n // rows)
+            verified = backend.execute(ModelInput(
+                input_ids=(drafts + drafts[::-1])[:n], positions=positions, query_lens=[1] * n,
+                context_lens=[p + 1 for p in positions], block_tables=tables, logits_indices=list(range(n)),
+                row_variants=[-1] * n, prompt_lens=[ctx] * n))
+            assert torch.equal(verified[:rows], sequential[:rows]), (rows, other)
 
 
 def test_rejection_sampling_keeps_the_target_distribution() -> None:

@@ -318,9 +318,7 @@ def load_variant(isa: str) -> Any:
                 binding = binding_future.result()
             if binding is None:
                 raise RuntimeError("the binding to torch could not be built")
-            library = ctypes.CDLL(str(path))
-            library.mindie_host_kernels.restype = ctypes.c_void_p
-            kernels = binding.Kernels(library.mindie_host_kernels())
+            library, kernels = _open(path, binding)
             if kernels.variant != isa:
                 raise RuntimeError(f"{path.name} holds the {kernels.variant} kernels")
         except Exception as exc:  # no compiler, a failed build: torch's operators serve
@@ -330,6 +328,24 @@ def load_variant(isa: str) -> Any:
         _STATE.libraries[isa] = library
         _STATE.variants[isa] = kernels
         return kernels
+
+
+def _open(path: Path, binding: Any) -> tuple[ctypes.CDLL, Any]:
+    library = ctypes.CDLL(str(path))
+    library.mindie_host_kernels.restype = ctypes.c_void_p
+    return library, binding.Kernels(library.mindie_host_kernels())
+
+
+def load_library(path: Path) -> Any:
+    """The kernels of a variant library at ``path`` (another build of the sources, e.g. an earlier commit's), loaded
+    beside this process's own and kept open; activate them with :func:`using`. For benchmarks that alternate two
+    builds in one process (bench/verify_step.py ``--compare``)."""
+    binding = _BINDING.get()
+    if binding is None:
+        raise RuntimeError("the binding to torch could not be built")
+    library, kernels = _open(path, binding)
+    _STATE.libraries[str(path)] = library
+    return kernels
 
 
 def activate(kernels: Any, off: frozenset[str] = frozenset()) -> None:

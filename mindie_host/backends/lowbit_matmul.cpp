@@ -136,15 +136,27 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
   }
 }
 
-// One chunk of tn tiles (at ``src``, ``tile_bytes`` apart) for all M rows: one or two rows four tiles at a time
-// (more independent chains), more rows a tile at a time, six rows at a time. Each output is computed the same way
+// One chunk of tn tiles (at ``src``, ``tile_bytes`` apart) for all M rows: one row four tiles at a time (more
+// independent chains), two rows together two tiles at a time (each tile's codes unpacked once for both: one row
+// after the other unpacked every tile twice and made a two-row product slower than a three-row one), more rows a
+// tile at a time, six rows at a time. Each output is computed the same way
 // whatever the grouping (see rows_block).
 template <Source S>
 void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const void* src,
                 int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
                 int64_t n0, float bias) {
   const uint8_t* tiles = static_cast<const uint8_t*>(src);
-  if (M <= 2) {
+  if (M == 2) {  // both rows over each tile's codes as they are unpacked (once for the two), two tiles at a time
+    int64_t j = 0;
+    for (; j + 2 <= tn; j += 2)
+      rows_block<2, 2, S>(x32, P, xsum, G, tiles + j * tile_bytes, st + j * G * kTile, ot + j * G * kTile, PG, out, N,
+                          n0 + j * kTile, bias, tile_bytes);
+    for (; j < tn; ++j)
+      rows_block<2, 1, S>(x32, P, xsum, G, tiles + j * tile_bytes, st + j * G * kTile, ot + j * G * kTile, PG, out, N,
+                          n0 + j * kTile, bias, tile_bytes);
+    return;
+  }
+  if (M == 1) {
     for (int64_t m = 0; m < M; ++m) {
       if (tn == 4) {
         rows_block<1, 4, S>(x32 + m * P, P, xsum + m * G, G, tiles, st, ot, PG, out + m * N, N, n0, bias, tile_bytes);
