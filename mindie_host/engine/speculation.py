@@ -214,12 +214,21 @@ class Speculator:
         params = seq.request.sampling
         tokens = drafts.tokens
         rows = rows.float()
-        if rows.is_inference():
-            rows = rows.clone()
         penalties = params.needs_penalties
+        masks = self.masks.pop(seq.seq_id, None)
+        # a row is changed before it is read when any of these apply (the ban only ever lifts along the rows)
+        processed = (penalties or params.logit_bias or not params.greedy or masks is not None
+                     or self.outputs.banned_tokens(seq, 0) is not None)
+        if not processed and params.logprobs is None:  # plain greedy: every row's argmax in one call
+            best = rows.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(tokens) and best[accepted] == tokens[accepted]:
+                accepted += 1
+            return best[: accepted + 1], [None] * (accepted + 1), accepted
+        if processed and rows.is_inference():
+            rows = rows.clone()
         prompt = seq.token_ids[: seq.prompt_len] if penalties else []
         output = seq.output_token_ids if penalties else []
-        masks = self.masks.pop(seq.seq_id, None)
         out: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for i in range(len(tokens) + 1):
