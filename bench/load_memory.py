@@ -31,8 +31,12 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def child(model: str, kv_mib: int, prompt: int, decode: int, block: int) -> dict[str, object]:
+def child(model: str, kv_mib: int, prompt: int, decode: int, block: int, keep_pages: bool) -> dict[str, object]:
     """Load, warm up and step in this process; the figures as a dict."""
+    if keep_pages:  # the GGUF file's pages stay resident after each tensor is converted (for comparison)
+        from mindie_host.models import weights
+
+        weights.release_pages = lambda tensor: None
     from mindie_host.backends.base import ModelInput
     from mindie_host.backends.torch.backend import TorchBackend
     from mindie_host.models.weights import resolve_model
@@ -64,7 +68,7 @@ def child(model: str, kv_mib: int, prompt: int, decode: int, block: int) -> dict
         "model": str(source.path), "file_bytes": size, "kv_pool_bytes": kv, "load_s": round(load_s, 1),
         "load_hwm": load_hwm, "load_rss": load_rss, "warm_hwm": hwm, "warm_rss": _status("VmRSS"),
         "ratio_load": round(load_hwm / (size + kv), 3), "ratio": round(hwm / (size + kv), 3),
-        "isa": os.environ.get("MINDIE_HOST_CPU_ISA", "auto"),
+        "isa": os.environ.get("MINDIE_HOST_CPU_ISA", "auto"), "keep_pages": keep_pages,
     }
 
 
@@ -75,6 +79,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of the measured request (default 256)")
     ap.add_argument("--decode", type=int, default=8, help="decode steps after it (default 8)")
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--keep-pages", action="store_true",
+                    help="do not give the GGUF file's pages back after each tensor is read (for comparison)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = args.model
@@ -83,10 +89,10 @@ def main() -> int:
 
         model = str(default_model_path())
     if args.child:
-        print(json.dumps(child(model, args.kv_mib, args.prompt, args.decode, args.block_size)))
+        print(json.dumps(child(model, args.kv_mib, args.prompt, args.decode, args.block_size, args.keep_pages)))
         return 0
     cmd = [sys.executable, __file__, model, "--child", "--kv-mib", str(args.kv_mib), "--prompt", str(args.prompt),
-           "--decode", str(args.decode), "--block-size", str(args.block_size)]
+           "--decode", str(args.decode), "--block-size", str(args.block_size)] + ["--keep-pages"] * args.keep_pages
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     r = json.loads(out)
     mib = 1 << 20

@@ -135,3 +135,38 @@ def test_embedding_rows_from_the_low_bit_form_equal_the_dense_lookup(tmp_path: P
     ids = torch.tensor([0, 5, 31, 32, 33, VOCAB - 1, 5, 64])
     assert torch.equal(tiles.rows(ids), torch.nn.functional.embedding(ids, dense))
     assert tiles.rows(ids).shape == (len(ids), HIDDEN)
+
+
+def test_q6_k_reads_as_exact_eight_bit_groups_of_16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-quantize stores a Q4_0 file's tied embedding as Q6_K: its 8-bit groups of 16 are the file's values,
+    bit for bit (gguf's own dequantize), unpacked a few rows at a time, and the kernel multiplies them."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from mindie_host.models import weights
+    from mindie_host.models.gguf_header import gguf_tensors
+
+    rows, cols = 70, 512
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    d = (rng.random((rows, cols // 256)) * 0.01 + 1e-3).astype(np.float16)
+    blocks[..., 208:210] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    w = gguf.GGUFWriter(str(tmp_path / "q6k.gguf"), "llama")
+    w.add_tensor("token_embd.weight", blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tensor,) = gguf_tensors(tmp_path / "q6k.gguf")
+    monkeypatch.setattr(weights, "_Q6_K_ROWS", 16)  # several chunks, the last one short
+    groups = weights._six_bit_from_gguf(tensor)
+    want = np.asarray(dequantize(tensor.data, gguf.GGMLQuantizationType.Q6_K), dtype=np.float32).reshape(rows, cols)
+    assert groups.group_size == 16 and groups.codes.min() >= -32 and groups.codes.max() <= 31
+    assert np.array_equal(groups.dequantize().view(np.uint32), want.view(np.uint32))
+    scale = torch.from_numpy(groups.scale)
+    tiles = LowBitTiles(torch.from_numpy(groups.codes), scale, torch.zeros_like(scale), 16)
+    ids = torch.arange(rows)
+    assert torch.equal(tiles.rows(ids).view(torch.int32), torch.from_numpy(want).view(torch.int32))
+    x = torch.randn(3, cols)
+    ref = x.to(cpu_matmul.activation_dtype()).float() @ torch.from_numpy(want).T
+    torch.testing.assert_close(tiles(x), ref, rtol=1e-4, atol=1e-4)

@@ -364,6 +364,36 @@ def _eight_bit_from_gguf(tensor: Any) -> EightBitGroups:
     return EightBitGroups(np.ascontiguousarray(codes), scale, 32)
 
 
+#: rows of a Q6_K matrix unpacked at a time (bounds the unpacking's temporaries to a few MB per 1,000 columns)
+_Q6_K_ROWS = 2048
+
+
+def _six_bit_from_gguf(tensor: Any) -> EightBitGroups:
+    """Unpack a Q6_K GGUF tensor's blocks as 8-bit groups of 16, exactly.
+
+    A Q6_K block covers 256 inputs: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales (one per
+    16 inputs) and an fp16 ``d``, meaning ``(d * scale_j) * q`` with ``q`` in -32..31. ``d * scale_j`` is exact in
+    float32 (11 by 8 significant bits), so codes ``q`` with that scale per group of 16 give the values gguf's own
+    ``dequantize`` gives, bit for bit (the same float32 product)."""
+    rows = int(tensor.shape[1])
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 210)
+    blocks = raw.shape[1]
+    codes = np.empty((rows, blocks * 256), dtype=np.int8)
+    scale = np.empty((rows, blocks * 16), dtype=np.float32)
+    low_shift = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high_shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    for r in range(0, rows, _Q6_K_ROWS):
+        chunk = raw[r : r + _Q6_K_ROWS].reshape(-1, 210)
+        n = chunk.shape[0]
+        d = chunk[:, 208:210].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        scale[r : r + _Q6_K_ROWS] = (d * chunk[:, 192:208].copy().view(np.int8).astype(np.float32)).reshape(-1, blocks * 16)
+        ql = ((chunk[:, :128].reshape(n, -1, 1, 64) >> low_shift) & np.uint8(0x0F)).reshape(n, -1, 32)
+        qh = ((chunk[:, 128:192].reshape(n, -1, 1, 32) >> high_shift) & np.uint8(0x03)).reshape(n, -1, 32)
+        q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
+        codes[r : r + _Q6_K_ROWS] = q.reshape(-1, blocks * 256)
+    return EightBitGroups(codes, scale, 16)
+
+
 def _four_bit_from_gguf(tensor: Any) -> FourBitGroups | None:
     """Unpack a Q4_0 or Q4_1 GGUF tensor's blocks; None for any other type.
 
@@ -410,8 +440,10 @@ def low_bit_readers(source: ModelSource, arch: ModelArch | None = None,
                     family: Architecture | None = None) -> dict[str, LowBitReader]:
     """How the model file stores its matrices that are below 16 bits, under canonical names, as readers.
 
-    A Q4_0/Q4_1 matrix reads as its :class:`FourBitGroups`, a Q8_0 one as its :class:`EightBitGroups` (Q/K rows
-    un-permuted where the converter permuted them); other types (K-quants, Q5, Q6, floats) are left out, and so
+    A Q4_0/Q4_1 matrix reads as its :class:`FourBitGroups`, a Q8_0 one as its :class:`EightBitGroups` (groups of
+    32), a Q6_K one as 8-bit groups of 16 (exactly: :func:`_six_bit_from_gguf`; llama-quantize stores a Q4_0 file's
+    tied embedding so), Q/K rows un-permuted where the converter permuted them; other types (other K-quants, Q5,
+    floats) are left out, and so
     are matrices the family splits (fused, stacks of experts), every matrix of a family whose rows are reordered
     after reading (:attr:`~mindie_host.models.architecture.Architecture.gguf_low_bit`) and everything of an HF
     directory.
@@ -425,8 +457,8 @@ def low_bit_readers(source: ModelSource, arch: ModelArch | None = None,
     if not family.gguf_low_bit:
         return {}
     out: dict[str, LowBitReader] = {}
-    kinds = {gguf.GGMLQuantizationType.Q8_0: "int8", gguf.GGMLQuantizationType.Q4_0: "int4",
-             gguf.GGMLQuantizationType.Q4_1: "int4"}
+    kinds = {gguf.GGMLQuantizationType.Q8_0: ("int8", 32), gguf.GGMLQuantizationType.Q6_K: ("int8", 16),
+             gguf.GGMLQuantizationType.Q4_0: ("int4", 32), gguf.GGMLQuantizationType.Q4_1: ("int4", 32)}
     for tensor in gguf_tensors(source.path):
         mapped = _gguf_pieces(tensor.name, [int(d) for d in reversed(tensor.shape.tolist())], arch, family)
         if len(mapped) != 1 or len(mapped[0][1]) != 1 or mapped[0][1][0].rows is not None or len(tensor.shape) != 2:
@@ -439,17 +471,19 @@ def low_bit_readers(source: ModelSource, arch: ModelArch | None = None,
             continue
         heads = (arch.num_heads if "q_proj" in hf else arch.num_kv_heads if "k_proj" in hf else 0
                  ) if family.gguf_permuted(arch) else 0
-        out[hf] = LowBitReader(kind, int(tensor.shape[1]), int(tensor.shape[0]), 32,
+        out[hf] = LowBitReader(kind[0], int(tensor.shape[1]), int(tensor.shape[0]), kind[1],
                                partial(_read_low_bit, tensor, heads))
     return out
 
 
 def _read_low_bit(tensor: Any, heads: int) -> FourBitGroups | EightBitGroups:
-    """A Q8_0 / Q4_0 / Q4_1 tensor's groups, its rows un-permuted over ``heads`` heads (0: as stored)."""
+    """A Q8_0 / Q6_K / Q4_0 / Q4_1 tensor's groups, its rows un-permuted over ``heads`` heads (0: as stored)."""
     import gguf
 
+    kind = tensor.tensor_type
     groups: FourBitGroups | EightBitGroups | None = (
-        _eight_bit_from_gguf(tensor) if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        _eight_bit_from_gguf(tensor) if kind == gguf.GGMLQuantizationType.Q8_0
+        else _six_bit_from_gguf(tensor) if kind == gguf.GGMLQuantizationType.Q6_K
         else _four_bit_from_gguf(tensor))
     assert groups is not None
     release_pages(tensor)

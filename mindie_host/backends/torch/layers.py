@@ -146,6 +146,12 @@ class ModelWeights:
 
         if not all(n in self.stored and not isinstance(self.stored[n], Int8Matrix) for n in names):
             return None
+        def kind(f: Any) -> tuple[str, int]:
+            return (f.kind if isinstance(f, LowBitReader) else "int4" if isinstance(f, FourBitGroups) else "int8",
+                    f.group_size)
+
+        if len({kind(self.stored[n]) for n in names}) > 1:  # (stacked matrices share one kind and group size: Q8_0 beside Q6_K does not stack)
+            return None
         forms = []
         for n in names:  # one at a time: each read's temporaries go before the next
             form = self.stored.pop(n)
