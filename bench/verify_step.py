@@ -13,11 +13,13 @@ O), the MLP (its two products and the activation), the LM head and the rest (emb
 writes, metadata, Python), by timing those calls of the backend's platform and model (wrapped for the
 parts rounds only, in their own alternated rounds), and times the engine's verification of the rows
 (:meth:`~mindie_host.engine.speculation.Speculator.verify`, greedy) against sampling the one row of a plain
-step. The machine is shared: read the ratios, not the milliseconds (``--threads 1`` when others hold the cores).
+step. ``--isolated`` times each piece alone at the same shapes (layer 0's weights and cache), short calls
+alternated finely, which a busy machine disturbs less than whole steps. The machine is shared: read the ratios, not the milliseconds (``--threads 1`` when others hold the cores).
 
     python bench/verify_step.py                          # context 600, m = 1, 2, 4, 8
     python bench/verify_step.py --parts --repeat 40      # and the split of each row count
     python bench/verify_step.py --compare OLD.so         # this build's kernels against another build's, alternated
+    python bench/verify_step.py --isolated --drafts 1,2,3,4,6,8 --threads 1   # each piece alone, by row count
 
 ``--compare`` takes a kernel library of another build (``$TORCH_EXTENSIONS_DIR/.../kernels/*.so``, e.g. built
 before a change: copy it aside first) and alternates it with this build's in the same rounds and process.
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from mindie_host.api import ModelInput
-from mindie_host.backends import cpu_extensions
+from mindie_host.backends import cpu_attention, cpu_extensions
 from mindie_host.testing import loaded_host
 
 BLOCK = 16
@@ -113,6 +115,57 @@ def engine_verify_seconds(host: Any, logits: torch.Tensor, drafts: int, rounds: 
     return statistics.median(times)
 
 
+def isolated(host: Any, context: int, table: list[int], rows: list[int], repeat: int, sides: dict[str, Any],
+             shuffle: random.Random) -> dict[str, Any]:
+    """Median seconds of each piece of a layer (the decode attention over the sequence's cached context, the Q/K/V
+    and O products, the gated MLP) and of the LM head, alone at ``rows`` rows, with the model's own weights and
+    layer 0's cache, alternated over ``sides`` (kernel builds) in a new random order each round; every side must
+    give the same bits."""
+    backend = host.backend
+    model = backend.model
+    plat, layer = model.platform, model.layers[0]
+    attn, mlp = layer.attn, layer.mlp
+    k_cache, v_cache = backend.kv_caches[0]
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context + max(rows))])
+    gen = torch.Generator().manual_seed(0)
+    hidden = model.final_norm.shape[0]
+    inputs = {m: torch.randn(m, hidden, generator=gen) for m in rows}
+    queries = {m: torch.randn(m, attn.num_heads, attn.head_dim, generator=gen) for m in rows}
+    pieces: dict[str, Callable[[int], torch.Tensor | None]] = {
+        "attention": lambda m: cpu_attention.decode_attention(
+            queries[m], k_cache, v_cache, slots[None].expand(m, -1).contiguous(),
+            torch.arange(context + 1, context + 1 + m), attn.scale),
+        "qkv": lambda m: plat.linear(inputs[m], attn.qkv),
+        "o": lambda m: plat.linear(inputs[m], attn.o_proj),
+        "mlp": lambda m: plat.gated_mlp(inputs[m], mlp.gate_up, mlp.down),
+        "lm_head": lambda m: plat.linear(inputs[m], model.lm_head_linear),
+    }
+    runs = [(side, piece, m) for side in sides for piece in pieces for m in rows]
+    times: dict[tuple[str, str, int], list[float]] = {run: [] for run in runs}
+    first: dict[tuple[str, int], torch.Tensor | None] = {}
+    with torch.inference_mode():
+        for _ in range(repeat):
+            for side, piece, m in shuffle.sample(runs, len(runs)):
+                with cpu_extensions.using(sides[side], cpu_extensions.turned_off()):
+                    t0 = time.perf_counter()
+                    out = pieces[piece](m)
+                    times[side, piece, m].append(time.perf_counter() - t0)
+                if (piece, m) not in first:
+                    first[piece, m] = out
+                elif out is not None and not torch.equal(out, first[piece, m]):  # type: ignore[arg-type]
+                    raise AssertionError(f"{side} gives other bits for {piece} at {m} rows")
+    result: dict[str, Any] = {}
+    print(f"\npieces alone, median us of {repeat} alternated rounds (x: against the same side's one row)")
+    for side in sides:
+        print(side)
+        result[side] = {}
+        for piece in pieces:
+            med = {m: statistics.median(times[side, piece, m]) for m in rows}
+            result[side][piece] = {m: round(v * 1e6, 1) for m, v in med.items()}
+            print(f"  {piece:10}" + "".join(f"  {m}: {med[m] * 1e6:8.1f} ({med[m] / med[rows[0]]:4.2f}x)" for m in rows))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=600)
@@ -120,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=30, help="alternated rounds")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--parts", action="store_true", help="also split each step into its parts (own rounds)")
+    ap.add_argument("--isolated", action="store_true",
+                    help="also time each piece alone at 1 + m rows (attention, products, LM head), alternated")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's (and the kernels') threads; 0: torch's default. On a busy machine 1 keeps a step from "
                          "waiting for a second core the others hold")
@@ -176,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         result["this_over_compare"] = {m: round(v, 3) for m, v in ratios.items()}
         print("  " + "  ".join(f"m={m}: {v:.3f}" for m, v in ratios.items()))
 
+    if args.isolated:
+        result["isolated_us"] = isolated(host, args.context, table, [1 + m for m in counts], args.repeat, sides,
+                                         shuffle)
     if args.parts:
         model, plat = backend.model, backend.model.platform
         wraps = [(plat, "paged_attention", "attention"), (plat, "gated_mlp", "mlp"),

@@ -19,8 +19,8 @@
 // exactly as the file means it (code * scale + offset, one fused rounding with FMA), and each output is one chain
 // of multiply-adds over k in order. Products of one or two rows dequantize in registers as the codes stream by (the
 // weights are read once, in their low-bit form); more rows dequantize a tile's block of k once into a small
-// buffer that every block of three rows then streams over (an FMA-bound micro-kernel): the same values in the
-// same order, so the same bits. The neon variant (opt-in) is the avx2 arithmetic with 4-lane NEON fused
+// buffer that every block of three (or two) rows then streams over (an FMA-bound micro-kernel): the same values in
+// the same order, so the same bits. The neon variant (opt-in) is the avx2 arithmetic with 4-lane NEON fused
 // multiply-adds, the same bits as avx2. The portable variant is the same arithmetic in plain C++ (multiply, then add).
 //
 // silu_mul: the gated MLP's activation between the prompt rows' two bfloat16 products (linear.bf16_gated_mlp).
@@ -488,8 +488,8 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
 }
 
 // Tiles t0 .. t1 for all M rows through the buffer: blocks of k outermost (a block of x stays in cache across
-// the tiles), each tile's block dequantized once, then every three rows over it. A tile that runs past N keeps
-// its accumulators in ``ragged`` ([M][32]) instead of the output.
+// the tiles), each tile's block dequantized once, then the rows over it three (or two) at a time. A tile that runs
+// past N keeps its accumulators in ``ragged`` ([M][32]) instead of the output.
 template <bool INT4>
 void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const float* sp,
                     const float* op, int64_t G, int64_t PG, int64_t t0, int64_t t1, float* out, int64_t N,
@@ -504,9 +504,23 @@ void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int
       if (!whole) ragged.resize(M * kTile);
       float* c = whole ? out + t * kTile : ragged.data();
       const int64_t ldc = whole ? N : kTile;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) micro<kRows>(x + m * K + kb, K, wbuf.data(), kc, c + m * ldc, ldc, kb == 0);
-      for (; m < M; ++m) micro<1>(x + m * K + kb, K, wbuf.data(), kc, c + m * ldc, ldc, kb == 0);
+      // three rows at a time, ending with one or two pairs when three does not divide M: a lone row's four
+      // accumulator chains wait on the multiply-add latency, so rows left over one at a time made five rows
+      // slower than nine
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        float* cm = c + m * ldc;
+        if (left == 1) {
+          micro<1>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
+          m += 1;
+        } else if (left == 2 || left == 4) {
+          micro<2>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
+          m += 2;
+        } else {
+          micro<kRows>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
+          m += kRows;
+        }
+      }
     }
   }
   if ((t1)*kTile > N) {  // the last tile's columns that exist
