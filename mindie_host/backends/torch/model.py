@@ -25,6 +25,7 @@ from ...models.weights import EightBitGroups, FourBitGroups
 from ..base import LinearDeltas, ModelInput
 from ..cpu_matmul import LowBitTiles
 from ..int8 import Int8Matrix
+from ..lazy_memory import trim_heap
 from ..linear import PromptRows, low_bit_kernels_available
 from ..platform import AttentionMetadata, Platform, ragged
 from .graphs import DecodeGraphs
@@ -86,9 +87,11 @@ class DecoderModel:
         self.lm_head_linear, self.embed = self._embedding_and_head(arch, w)
         self.final_norm = w.tensor("model.norm.weight")
         self.layers: list[Any] = []
+        trim_heap()
         for i in range(arch.num_layers):
             layer = self.family.build_layer(i, arch, w)
             self.layers.append(layer if layer is not None else dense_layer(self.family, arch, i, w))
+            trim_heap()  # each layer's freed temporaries back to the OS before the next layer's are made
         left = [n for n in w.left() if not n.endswith(IGNORED_TENSORS)]
         if left:
             shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
