@@ -61,14 +61,23 @@ def rename_target(code: str) -> str | None:
 
 
 def make_prompts(n: int, seed: int = 0, min_tokens: int = 200, max_tokens: int = 800) -> list[str]:
-    """``n`` distinct rename requests over passages of ``min_tokens``..``max_tokens`` tokens (chars / 4)."""
+    """``n`` distinct rename requests over passages of ``min_tokens``..``max_tokens`` tokens (chars / 4).
+
+    Blocks are taken in a shuffled order; one that would overflow the passage is skipped, so a pass can run out of
+    blocks before ``n`` prompts (seed 1 made 27 of 48): later passes take the blocks in new orders (new passages),
+    and the first pass's prompts are what they always were."""
     blocks = [b for b in stdlib_blocks() if len(b) <= 4 * max_tokens]
     rng = random.Random(seed)
     order = list(range(len(blocks)))
     rng.shuffle(order)
     prompts: list[str] = []
-    i = 0
-    while len(prompts) < n and i < len(order):
+    i, passes = 0, 1
+    while len(prompts) < n:
+        if i >= len(order):  # a pass over the blocks skips many that do not fit: another pass, in a new order
+            if passes == 8:
+                break
+            rng.shuffle(order)
+            i, passes = 0, passes + 1
         want = 4 * rng.randint(min_tokens, max_tokens)
         parts: list[str] = []
         while i < len(order) and sum(len(p) for p in parts) < want:

@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=sorted(FAMILIES),
                     help="a random model of this family at the default model's shape instead of the default model")
     ap.add_argument("--family-dir", default="/tmp/mindie-bench-families", help="where --family models are kept")
+    ap.add_argument("--model", help="time this model (an HF directory or a GGUF file) instead of the default model")
     args = ap.parse_args(argv)
-    model_path = family_model(args.family, Path(args.family_dir)) if args.family else None
+    model_path = family_model(args.family, Path(args.family_dir)) if args.family else args.model
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     per_seq = -(-(max(contexts_of(2, args.context, args.spread) + [2 * args.mixed_chunk]) + 1) // block_size)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile() as prof:
             backend.execute(batch)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
-    print(json.dumps({"family": args.family or "default", "quantization": args.quantization, "compile": args.compile,
+    print(json.dumps({"family": args.family or "default", "model": args.model, "quantization": args.quantization, "compile": args.compile,
                       "context": args.context,
                       "spread": args.spread, "mixed_chunk": args.mixed_chunk,
                       "ms_per_step": results}))

@@ -162,7 +162,8 @@ def start_llama(args: argparse.Namespace, slots: int = 16) -> tuple[subprocess.P
 
     port = free_port()
     ctx = slots * args.llama_ctx_per_slot
-    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--port", str(port), "-t", "2", "-np", str(slots),
+    gguf = args.model if args.model and args.model.endswith(".gguf") else str(default_model_path())
+    proc = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "-t", "2", "-np", str(slots),
                              "-c", str(ctx), "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}", "default"
@@ -316,11 +317,11 @@ def release_gpu_memory() -> None:
 
 
 def run_load(url: str, model: str, conc: int, n: int, max_tokens: int, workload: str = "fixed",
-             seed: int = 0) -> dict[str, float]:
+             seed: int = 0, ignore_eos: bool = False) -> dict[str, float]:
     """One closed-loop run: ``loadgen.py`` (``fixed``) or ``bench/varied_load.py`` (``varied``, its prompts drawn
-    with ``seed``)."""
+    with ``seed``; ``ignore_eos``: every request runs to its max tokens)."""
     script = LOADGEN if workload == "fixed" else ROOT / "bench" / "varied_load.py"
-    extra = ["--seed", str(seed)] if workload == "varied" else []
+    extra = ["--seed", str(seed), *(["--ignore-eos"] if ignore_eos else [])] if workload == "varied" else []
     out = subprocess.run([sys.executable, str(script), "--url", url, "--model", model, "-n", str(n), "-c", str(conc),
                           "--max-tokens", str(max_tokens), *extra], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
@@ -340,7 +341,12 @@ def main() -> int:
                     help="mindie-host config.json (default: bench/configs/peers.json; '' = the built-in defaults)")
     ap.add_argument("--dtype", help="weight dtype of mindie-host and the transformers peers")
     ap.add_argument("--device", help="cpu or cuda, for mindie-host and the transformers peers (default: cpu)")
-    ap.add_argument("--model", help="HF model directory every system serves (default: the default model)")
+    ap.add_argument("--model", help="model every system serves (default: the default model): an HF directory, or a "
+                    "GGUF file, which llama-server serves as well")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="varied load: every request generates its max tokens (for random-weight models)")
+    ap.add_argument("--requests", type=int, help="requests per run at every concurrency (default: 8 at c=1, 64 at "
+                    "c=16, 128 at c=64, 4 x conc otherwise)")
     ap.add_argument("--logs", help="directory for the servers' stderr logs")
     ap.add_argument("--start-timeout", type=float, help="seconds a server may take to get ready (default 600)")
     ap.add_argument("--runs", type=int, default=1,
@@ -387,7 +393,8 @@ def main() -> int:
                     for workload in workloads:
                         key = name if workload == "fixed" else f"{name}/{workload}"
                         tokens = args.max_tokens if workload == "fixed" else args.varied_max_tokens
-                        runs = [run_load(url, model, c, N_FOR_CONC.get(c, 4 * c), tokens, workload, seed=i)
+                        n = args.requests or N_FOR_CONC.get(c, 4 * c)
+                        runs = [run_load(url, model, c, n, tokens, workload, seed=i, ignore_eos=args.ignore_eos)
                                 for i in range(args.runs)]
                         r = median_run(runs)
                         r["peak_rss_mb"] = peak_rss_mb(proc.pid)

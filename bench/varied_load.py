@@ -13,7 +13,9 @@ machine with the same Python minor version:
 * every passage starts at a different place of the text, so no two requests share more than the
   instruction line (a prefix cache gains nothing beyond it);
 * each request asks for ``--max-tokens`` (default 128) output tokens, streamed, greedy, as a chat
-  completion, exactly as ``loadgen.py`` sends them; tokens are counted as streamed content chunks.
+  completion, exactly as ``loadgen.py`` sends them; tokens are counted as streamed content chunks;
+  ``--ignore-eos`` asks for all of them (``ignore_eos``, which mindie-host and llama-server both take), for
+  random-weight models whose EOS falls anywhere.
 
 It prints one JSON line with the same keys as ``loadgen.py`` (output tok/s, req/s, TTFT and TPOT p50
 and p99) plus the prompt-length distribution::
@@ -117,13 +119,14 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
         res["tpot"].append((last - first) / (n - 1))
 
 
-async def run(url: str, model: str, n: int, c: int, max_tokens: int, prompts: list[str]) -> dict[str, Any]:
+async def run(url: str, model: str, n: int, c: int, max_tokens: int, prompts: list[str],
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"ttft": [], "tpot": [], "tokens": 0, "errors": 0}
     sem = asyncio.Semaphore(c)
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=c + 4)) as client:
         async def task(i: int) -> None:
             async with sem:
-                await one(client, url, model, prompts[i], max_tokens, res)
+                await one(client, url, model, prompts[i], max_tokens, res, extra)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(task(i) for i in range(n)))
@@ -153,9 +156,12 @@ def main() -> None:
     ap.add_argument("--median-words", type=int, default=220)
     ap.add_argument("--min-words", type=int, default=40)
     ap.add_argument("--max-words", type=int, default=900)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="ask for every one of --max-tokens tokens (random-weight models: EOS falls anywhere)")
     a = ap.parse_args()
     prompts = make_prompts(a.n, a.seed, a.median_words, a.min_words, a.max_words)
-    print(json.dumps(asyncio.run(run(a.url, a.model, a.n, a.c, a.max_tokens, prompts))))
+    extra = {"ignore_eos": True} if a.ignore_eos else None
+    print(json.dumps(asyncio.run(run(a.url, a.model, a.n, a.c, a.max_tokens, prompts, extra))))
 
 
 if __name__ == "__main__":
