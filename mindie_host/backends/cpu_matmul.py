@@ -25,6 +25,7 @@ import torch
 
 from . import cpu_extensions
 from .cpu_extensions import enabled
+from .lazy_memory import lazy_zeros
 
 __all__ = ["LowBitTiles", "activation_dtype", "enabled", "kernel", "loaded"]
 
@@ -79,9 +80,12 @@ class LowBitTiles:
         else:  # int8: a pair per column, the 32 columns in a row
             self.codes = pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], k // 2, 2 * TILE).contiguous()
         self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
-        self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
         #: whether any group has an offset (4-bit groups; 8-bit ones have none)
         self.has_offset = codes.dtype == torch.uint8 or bool(offset.any())
+        if self.has_offset:
+            self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
+        else:  # zeros the kernel reads: pages the OS never commits (a 3B Q8_0 model's would take 350 MiB)
+            self.offset = lazy_zeros(tuple(self.scale.shape), torch.float32)
 
     @staticmethod
     def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
