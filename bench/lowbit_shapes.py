@@ -11,7 +11,8 @@ Q6_K 210 / 256), so the second figure compares with llama.cpp at the same weight
 
 ``--compare OTHER.so`` alternates another build's kernel library (copied aside from
 ``$TORCH_EXTENSIONS_DIR/.../kernels``) with this build's in the same process, call by call, and checks that both
-give the same bits. Run under ``nice -n 19`` when the machine is shared.
+give the same bits; the other builds are given every group's offset stored (builds before the kernel derived Q4_0's
+and 8-bit groups' offsets from their scales need them), this build the tiles as the loader makes them. Run under ``nice -n 19`` when the machine is shared.
 
     python bench/lowbit_shapes.py                               # 1B shapes, rows 1..5, 1 and 2 threads
     python bench/lowbit_shapes.py --rows 1 --threads 2 --compare /tmp/before.so
@@ -21,6 +22,7 @@ give the same bits. Run under ``nice -n 19`` when the machine is shared.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for form in forms:
             tiles = make_tiles(form, n, k, g)
-            nbytes = streamed_bytes(tiles)
+            stored = copy.copy(tiles)  # the offsets stored and streamed: what builds before derived offsets need
+            stored.offset = tiles.full_offset()
+            nbytes = {side: streamed_bytes(tiles if side == "this" else stored) for side in sides}
             gguf = n * k * GGUF_BYTES_PER_WEIGHT[form]
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
@@ -94,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                         for side, lib in sides.items():
                             with cpu_extensions.using(lib):
                                 t0 = time.perf_counter()
-                                outs[side] = tiles(x)
+                                outs[side] = (tiles if side == "this" else stored)(x)
                                 if i >= 2:
                                     times[side].append(time.perf_counter() - t0)
                     row: dict[str, Any] = {"matrix": name, "form": form, "n": n, "k": k, "rows": m,
                                            "threads": threads}
                     for side, ts in times.items():
                         med = statistics.median(ts)
-                        row[side] = {"us": round(med * 1e6), "GB/s": round(nbytes / med / 1e9, 1),
+                        row[side] = {"us": round(med * 1e6), "GB/s": round(nbytes[side] / med / 1e9, 1),
                                      "GB/s gguf": round(gguf / med / 1e9, 1)}
                     if len(outs) > 1:
                         first = next(iter(outs.values()))

@@ -76,6 +76,26 @@ def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant:
     assert torch.equal(weight.small_product(x[:rows].flip(0)), together.flip(0))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_offsets_derived_from_the_scales_give_the_bits_of_stored_ones(cpu_variant: object, bits: int) -> None:
+    # Q4_0's offsets (-8 * scale) and 8-bit groups' (0) are not kept: the kernel derives them from the scales
+    if bits == 4:
+        groups = four_bit(100, 576, seed=6)
+        codes, scale, offset = (torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.offset))
+    else:  # groups of 16, as a Q6_K LM head loads
+        g = torch.Generator().manual_seed(7)
+        codes = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
+        scale, offset = torch.rand(100, 576 // 16, generator=g) * 0.01, torch.zeros(100, 576 // 16)
+    derived = LowBitTiles(codes, scale, offset, 576 // scale.shape[1])
+    assert derived.offset.numel() == 0
+    stored = LowBitTiles(codes, scale, offset, 576 // scale.shape[1])
+    stored.offset = derived.full_offset().clone()  # the same values, streamed
+    torch.testing.assert_close(derived.dequantize(), stored.dequantize(), rtol=0, atol=0)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(8))
+    for rows in (1, 2, 3, 7):
+        assert torch.equal(derived(x[:rows]), stored(x[:rows]))
+
+
 def test_the_kernel_is_a_torch_operator_that_compiles() -> None:
     assert cpu_matmul.kernel() is not None  # the binding's operator calls the active variant: this CPU's
     groups = four_bit(64, 64, seed=5)

@@ -126,11 +126,15 @@ class Kernels {
     TORCH_CHECK(group_size > 0 && K == 2 * P && K % group_size == 0 && group_size % 2 == 0 && NT * 32 >= N && N > 0,
                 "shapes");
     const int64_t G = K / group_size;
-    TORCH_CHECK(scale.numel() == NT * G * 32 && offset.numel() == NT * G * 32, "scale, offset: [NT, G, 32]");
+    // an empty offset: every group's is -8 * scale (4-bit codes) or 0 (8-bit), derived in the kernel
+    const bool derived = offset.numel() == 0;
+    TORCH_CHECK(scale.numel() == NT * G * 32 && (derived || offset.numel() == NT * G * 32),
+                "scale, offset: [NT, G, 32] (offset may be empty)");
     auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
     if (M > 0)
       k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
-                        scale.data_ptr<float>(), offset.data_ptr<float>(), N, group_size, out.data_ptr<float>());
+                        scale.data_ptr<float>(), derived ? nullptr : offset.data_ptr<float>(), N, group_size,
+                        out.data_ptr<float>());
     return out;
   }
 

@@ -25,7 +25,6 @@ import torch
 
 from . import cpu_extensions
 from .cpu_extensions import enabled
-from .lazy_memory import lazy_zeros
 
 __all__ = ["LowBitTiles", "activation_dtype", "enabled", "kernel", "loaded"]
 
@@ -82,10 +81,15 @@ class LowBitTiles:
         self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
         #: whether any group has an offset (4-bit groups; 8-bit ones have none)
         self.has_offset = codes.dtype == torch.uint8 or bool(offset.any())
-        if self.has_offset:
+        #: the groups' offsets in the tiles' layout, or empty where each is what the kernel derives from its scale
+        #: (-8 * scale for 4-bit codes, as GGUF Q4_0 has; 0 for 8-bit ones), bit for bit: neither kept nor streamed
+        self.offset = torch.zeros(0)
+        if codes.dtype == torch.uint8:
+            offset = offset.float()
+            if not torch.equal(offset.view(torch.int32), (-8 * scale.float()).view(torch.int32)):
+                self.offset = _tiles(offset).transpose(1, 2).contiguous()
+        elif self.has_offset:
             self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
-        else:  # zeros the kernel reads: pages the OS never commits (a 3B Q8_0 model's would take 350 MiB)
-            self.offset = lazy_zeros(tuple(self.scale.shape), torch.float32)
 
     @staticmethod
     def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
@@ -119,8 +123,14 @@ class LowBitTiles:
         else:
             codes = self.codes.view(nt, half, TILE, 2).permute(0, 2, 1, 3).reshape(nt * TILE, 2 * half)
         scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
-        offset = self.offset.transpose(1, 2).reshape(nt * TILE, -1)
+        offset = self.full_offset().transpose(1, 2).reshape(nt * TILE, -1)
         return codes[: self.n], scale[: self.n], offset[: self.n]
+
+    def full_offset(self) -> torch.Tensor:
+        """The groups' offsets ``[NT, G, 32]``, derived from the scales where :attr:`offset` is empty."""
+        if self.offset.numel():
+            return self.offset
+        return -8 * self.scale if self.codes.dtype == torch.uint8 else torch.zeros_like(self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight as float32 ``[len(ids), K]``, gathered from the tiles (an embedding lookup
@@ -136,7 +146,7 @@ class LowBitTiles:
         scale = self.scale[tile, :, col][..., None]  # [M, G, 1]
         groups = codes.float().view(ids.shape[0], -1, self.group_size) * scale
         if self.has_offset:
-            groups = groups + self.offset[tile, :, col][..., None]
+            groups = groups + self.full_offset()[tile, :, col][..., None]
         return groups.view(ids.shape[0], -1)
 
     def dequantize(self) -> torch.Tensor:
