@@ -143,7 +143,7 @@ def test_q6_k_reads_as_exact_eight_bit_groups_of_16(tmp_path: Path, monkeypatch:
     import gguf
     from gguf.quants import dequantize
 
-    from mindie_host.models import weights
+    from mindie_host.models import low_bit
     from mindie_host.models.gguf_header import gguf_tensors
 
     rows, cols = 70, 512
@@ -158,8 +158,8 @@ def test_q6_k_reads_as_exact_eight_bit_groups_of_16(tmp_path: Path, monkeypatch:
     w.write_tensors_to_file()
     w.close()
     (tensor,) = gguf_tensors(tmp_path / "q6k.gguf")
-    monkeypatch.setattr(weights, "_Q6_K_ROWS", 16)  # several chunks, the last one short
-    groups = weights._six_bit_from_gguf(tensor)
+    monkeypatch.setattr(low_bit, "Q6_K_ROWS", 16)  # several chunks, the last one short
+    groups = low_bit.six_bit_from_gguf(tensor)
     want = np.asarray(dequantize(tensor.data, gguf.GGMLQuantizationType.Q6_K), dtype=np.float32).reshape(rows, cols)
     assert groups.group_size == 16 and groups.codes.min() >= -32 and groups.codes.max() <= 31
     assert np.array_equal(groups.dequantize().view(np.uint32), want.view(np.uint32))
