@@ -11,7 +11,7 @@ There is no extra model and the lookup costs microseconds per sequence.
 Enabled per model::
 
     "ModelConfig": [{"plugin_params": "{\\"plugin_type\\":\\"llma\\"}", ...}]
-    "Plugins": {"llma": {"numSpeculativeTokens": 4, "maxNgram": 3, "minNgram": 2, "maxBatchSize": 8}}
+    "Plugins": {"llma": {"numSpeculativeTokens": 8, "maxNgram": 3, "minNgram": 1, "maxBatchSize": 8}}
 
 A request opts out with ``"speculative_decoding": false`` in its body.
 """
@@ -46,11 +46,11 @@ class Params(BaseModel):
     """``Plugins.llma``."""
 
     #: the most draft tokens proposed per sequence and step (k)
-    numSpeculativeTokens: StrictInt = Field(default=4, ge=1, le=16)
+    numSpeculativeTokens: StrictInt = Field(default=8, ge=1, le=16)
     #: the longest n-gram looked up (tried first)
     maxNgram: StrictInt = Field(default=3, ge=1, le=16)
     #: the shortest n-gram looked up: the minimum match length
-    minNgram: StrictInt = Field(default=2, ge=1, le=16)
+    minNgram: StrictInt = Field(default=1, ge=1, le=16)
     #: no drafts in a step with more decoding sequences than this: verification then costs more than it saves
     maxBatchSize: StrictInt = Field(default=8, ge=1, le=4096)
 
@@ -77,7 +77,8 @@ def mindie_host_refine_request(ctx: HostContext, request: EngineRequest, body: d
 
 @hookimpl
 def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> list[Drafts | None] | None:
-    """Copy what followed the latest earlier occurrence of each sequence's last n-gram."""
+    """Copy what followed an earlier occurrence of each sequence's last n-gram (the first one at or after where
+    its copy had reached, else the latest: :class:`NgramIndex`)."""
     params: Params = ctx.params
     if len(seqs) > params.maxBatchSize:
         return None
@@ -98,13 +99,19 @@ def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> 
 
 @hookimpl
 def mindie_host_drafts_accepted(ctx: EngineContext, outcomes: list[DraftOutcome]) -> None:
-    """Adapt each request's k: one more after a fully accepted run, else one more than it accepted, so a request
-    whose text does not repeat verifies few rows (a row costs compute even when the step is bound by reading
-    the weights)."""
+    """Move each request's copy cursor past what it accepted, and adapt its k: twice as many after a fully
+    accepted run (a copy in progress: up to ``numSpeculativeTokens``), else one more than it accepted, so a
+    request whose text does not repeat verifies few rows (a row costs compute even when the step is bound by
+    reading the weights)."""
     k_max = ctx.params.numSpeculativeTokens
     for o in outcomes:
-        if not o.finished:
-            ctx.state.k[o.request_id] = min(k_max, o.accepted + 1)
+        if o.finished:
+            continue
+        index = ctx.state.indexes.get(o.request_id)
+        if index is not None:
+            index.accepted(o.accepted)
+        full = o.accepted == o.proposed
+        ctx.state.k[o.request_id] = min(k_max, 2 * o.proposed if full else o.accepted + 1)
 
 
 @hookimpl

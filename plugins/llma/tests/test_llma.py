@@ -25,6 +25,24 @@ def test_lookup_proposes_what_followed_the_latest_longest_match() -> None:
     assert NgramIndex(2, 2).propose([5, 6], 4) == []  # nothing before the suffix
 
 
+def test_lookup_resumes_a_copy_at_its_cursor() -> None:
+    """A copy that diverged (a renamed identifier) resumes where it had reached in the source, not at the latest
+    occurrence of its last tokens (the instruction that named the new identifier)."""
+    instruction = [50, 60, 70, 99]  # "... rename x to 60 70 ..."
+    source = [1, 2, 3, 40, 60, 70, 5, 6, 7, 8]  # the code: "40" is the identifier being renamed
+    index = NgramIndex(1, 2)
+    tokens = instruction + source + [1, 2]
+    assert index.propose(tokens, 1) == [3]  # "1 2" occurs once: what followed it
+    index.accepted(1)  # the copy reached the source's "40"
+    tokens += [3, 61]  # "3" accepted, then the model's own token "61" where the source has "40"
+    assert index.propose(tokens, 4) == []  # "61" never occurred: a plain step
+    tokens += [70]
+    # "70" ended at 2 (the instruction, then 99) and at 9 (the source, then 5 6 7): the copy's place wins
+    assert index.propose(tokens, 3) == [5, 6, 7]
+    fresh = NgramIndex(1, 2)  # without a cursor, the latest occurrence
+    assert fresh.propose(instruction + [70], 3) == [99, 70]
+
+
 def test_opt_out_field_is_validated() -> None:
     req = EngineRequest("a", [1], SamplingParams())
     read_opt_out(req, {"speculative_decoding": False})
