@@ -11,7 +11,8 @@ There is no extra model and the lookup costs microseconds per sequence.
 Enabled per model::
 
     "ModelConfig": [{"plugin_params": "{\\"plugin_type\\":\\"llma\\"}", ...}]
-    "Plugins": {"llma": {"numSpeculativeTokens": 8, "maxNgram": 3, "minNgram": 1, "maxBatchSize": 8}}
+    "Plugins": {"llma": {"numSpeculativeTokens": 8, "maxNgram": 3, "minNgram": 1, "maxBatchSize": 8,
+                         "maxStepDrafts": 8}}
 
 A request opts out with ``"speculative_decoding": false`` in its body.
 """
@@ -37,7 +38,7 @@ from mindie_host.api import (
 
 from .lookup import NgramIndex
 
-__all__ = ["PLUGIN_NAME", "NgramIndex", "Params"]
+__all__ = ["PLUGIN_NAME", "NgramIndex", "Params", "State"]
 
 PLUGIN_NAME = "llma"
 
@@ -53,6 +54,9 @@ class Params(BaseModel):
     minNgram: StrictInt = Field(default=1, ge=1, le=16)
     #: no drafts in a step with more decoding sequences than this: verification then costs more than it saves
     maxBatchSize: StrictInt = Field(default=8, ge=1, le=4096)
+    #: the most drafts in one step, shared evenly by its decoding sequences (at least one each): a verification
+    #: row costs about what a batch row does, so a batch of several sequences verifies fewer drafts each
+    maxStepDrafts: StrictInt = Field(default=8, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _ngram_range(self) -> Params:
@@ -83,6 +87,7 @@ def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> 
     if len(seqs) > params.maxBatchSize:
         return None
     indexes = ctx.state.indexes
+    share = max(1, params.maxStepDrafts // max(1, sum(not opted_out(s) for s in seqs)))
     out: list[Drafts | None] = []
     for s in seqs:
         if opted_out(s):
@@ -92,7 +97,7 @@ def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> 
         if index is None:
             index = indexes[s.request_id] = NgramIndex(params.minNgram, params.maxNgram)
         k = ctx.state.k.get(s.request_id, params.numSpeculativeTokens)
-        tokens = index.propose(s.token_ids, min(k, s.max_drafts))
+        tokens = index.propose(s.token_ids, min(k, share, s.max_drafts))
         out.append(Drafts(tokens) if tokens else None)
     return out
 

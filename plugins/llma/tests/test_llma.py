@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mindie_plugin_llma
 import pytest
 from mindie_plugin_llma import NgramIndex
 
-from mindie_host.api import EngineRequest, PluginError, RequestError, SamplingParams, read_opt_out
+from mindie_host.api import DraftRequest, EngineRequest, PluginError, RequestError, SamplingParams, read_opt_out
 from mindie_host.testing import loaded_host, run_engine, server_config
 
 
@@ -41,6 +42,24 @@ def test_lookup_resumes_a_copy_at_its_cursor() -> None:
     assert index.propose(tokens, 3) == [5, 6, 7]
     fresh = NgramIndex(1, 2)  # without a cursor, the latest occurrence
     assert fresh.propose(instruction + [70], 3) == [99, 70]
+
+
+def test_a_step_shares_its_draft_budget() -> None:
+    """``maxStepDrafts`` is shared by the step's decoding sequences: k each alone, fewer each in a batch."""
+    ctx = SimpleNamespace(params=mindie_plugin_llma.Params(numSpeculativeTokens=8, maxStepDrafts=8),
+                          state=mindie_plugin_llma.State())
+    tokens = list(range(1, 13)) + [1, 2]  # "1 2" occurred before: twelve tokens to copy
+
+    def step(n: int) -> list[int] | None:
+        seqs = [DraftRequest(i, f"r{n}-{i}", list(tokens), 12, SamplingParams(), {}, -1, 100) for i in range(n)]
+        got = mindie_plugin_llma.mindie_host_propose_drafts(ctx, seqs)
+        return None if got is None else [len(d.tokens) if d else 0 for d in got]
+
+    assert step(1) == [8]
+    assert step(2) == [4, 4]
+    assert step(3) == [2, 2, 2]
+    assert step(8) == [1] * 8
+    assert step(9) is None  # over maxBatchSize: no drafts
 
 
 def test_opt_out_field_is_validated() -> None:
