@@ -3,16 +3,18 @@
 
 For each of a Llama layer's products (the fused Q/K/V, O, the gated MLP's gate/up and its down projection) in GGUF
 Q4_0 form (4-bit codes, groups of 32, offset -8 * scale) and Q8_0 form (int8, groups of 32), and the LM head in
-the form the loader gives a Q6_K head (int8 groups of 16, a float32 scale each; groups of 32 for comparison), it
-times ``LowBitTiles(x)`` on random codes for ``--rows`` bfloat16/float32 rows (median of ``--repeat`` calls,
+the form the loader gives a Q6_K head (int8 groups of 16, a float32 scale each; groups of 32 with Q8_0's float16
+scales for comparison), it times ``LowBitTiles(x)`` on random codes for ``--rows`` bfloat16/float32 rows (median of ``--repeat`` calls,
 interleaved call by call across the builds compared) and prints GB/s of the bytes the kernel streams (codes,
 scales, offsets) and of the GGUF file's bytes for the same matrix (Q4_0 18 bytes / 32 weights, Q8_0 34 / 32,
 Q6_K 210 / 256), so the second figure compares with llama.cpp at the same weights.
 
 ``--compare OTHER.so`` alternates another build's kernel library (copied aside from
 ``$TORCH_EXTENSIONS_DIR/.../kernels``) with this build's in the same process, call by call, and checks that both
-give the same bits; the other builds are given every group's offset stored (builds before the kernel derived Q4_0's
-and 8-bit groups' offsets from their scales need them), this build the tiles as the loader makes them. Run under ``nice -n 19`` when the machine is shared.
+give the same bits; the other builds are given float32 scales (builds before the kernel took float16 ones need them),
+with the offsets as this build keeps them, or every group's offset stored with ``--stored-offsets`` (builds before
+the kernel derived Q4_0's and 8-bit groups' offsets from their scales need them); this build gets the tiles as the
+loader makes them (float16 scales for Q4_0 and Q8_0). Run under ``nice -n 19`` when the machine is shared.
 
     python bench/lowbit_shapes.py                               # 1B shapes, rows 1..5, 1 and 2 threads
     python bench/lowbit_shapes.py --rows 1 --threads 2 --compare /tmp/before.so
@@ -53,6 +55,8 @@ def make_tiles(form: str, n: int, k: int, g: torch.Generator) -> LowBitTiles:
     gs = 16 if form == "q6_k" else 32
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // gs, generator=g) * 0.001
+    if gs == 32:  # Q8_0's scales are the file's float16 d; a Q6_K head's d * scale_j stay float32
+        scale = scale.half().float()
     return LowBitTiles(codes, scale, torch.zeros_like(scale), gs)
 
 
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="2048,3072,8192,49152", help="hidden, fused QKV out, MLP, vocab")
     ap.add_argument("--only", default="", help="comma-separated matrix names (qkv,o,gate_up,down,head)")
     ap.add_argument("--compare", help="other builds' kernel libraries (comma-separated), alternated call by call with this build's")
+    ap.add_argument("--stored-offsets", action="store_true",
+                    help="give the other builds every group's offset (builds before derived offsets)")
     args = ap.parse_args(argv)
     if cpu_matmul.kernel() is None:
         raise SystemExit("the kernels could not be built here (no compiler)")
@@ -84,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for form in forms:
             tiles = make_tiles(form, n, k, g)
-            stored = copy.copy(tiles)  # the offsets stored and streamed: what builds before derived offsets need
-            stored.offset = tiles.full_offset()
+            stored = copy.copy(tiles)  # the tiles other builds are given
+            stored.scale = tiles.scale.float()  # what builds before float16 scales take
+            stored.offset = tiles.full_offset() if args.stored_offsets else tiles.offset.float()
             nbytes = {side: streamed_bytes(tiles if side == "this" else stored) for side in sides}
             gguf = n * k * GGUF_BYTES_PER_WEIGHT[form]
             for threads in (int(t) for t in args.threads.split(",")):

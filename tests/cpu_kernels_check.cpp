@@ -131,6 +131,14 @@ uint64_t digest(const float* v, size_t n, uint64_t h = 1469598103934665603ull) {
   return h;
 }
 
+// A float32 that is a normal float16 value (or zero) as float16 bits.
+uint16_t to_half(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  if ((b & 0x7FFFFFFFu) == 0) return uint16_t(b >> 16);
+  return uint16_t(((b >> 16) & 0x8000u) | ((((b >> 23) & 0xFFu) - 112) << 10) | ((b >> 13) & 0x3FFu));
+}
+
 // The low-bit product's inputs come from integers alone (their own generator, exact float arithmetic), so they are
 // the same bits on every architecture, and the "bits" line can be compared between variants built for different
 // CPUs (the neon variant's with the avx2 variant's: the same fused multiply-adds in the same order).
@@ -142,7 +150,7 @@ void check_lowbit(const mh_kernels* k, bool int4) {
   std::vector<float> scale(NT * G * 32, 0.f), offset(NT * G * 32, 0.f), w(N * K);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < G; ++g) {
-      const float sc = 0.01f + (rng() % 100) * 1e-4f, off = int4 ? -8 * sc : 0.f;
+      const float sc = float(64 + rng() % 100) / 4096.f, off = int4 ? -8 * sc : 0.f;  // float16 values
       scale[(n / 32) * G * 32 + g * 32 + n % 32] = sc;
       offset[(n / 32) * G * 32 + g * 32 + n % 32] = off;
       for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
@@ -173,6 +181,23 @@ void check_lowbit(const mh_kernels* k, bool int4) {
   k->lowbit_matmul(x.data() + 3 * K, 2, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, two.data());
   report("lowbit_matmul: two rows have their bits among seven",
          std::memcmp(two.data(), out.data() + 3 * N, 2 * N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+  // the same scales (and offsets) as float16 bits, stored or derived: the same bits at one, two and seven rows
+  std::vector<uint16_t> scale16(scale.size()), offset16(offset.size());
+  for (size_t i = 0; i < scale.size(); ++i) {
+    scale16[i] = to_half(scale[i]);
+    offset16[i] = to_half(offset[i]);
+  }
+  for (const uint16_t* off16 : {static_cast<const uint16_t*>(offset16.data()), static_cast<const uint16_t*>(nullptr)})
+    for (int64_t rows : {int64_t(1), int64_t(2), M}) {
+      std::vector<float> half(rows * N);
+      k->lowbit_matmul_f16(x.data() + (rows == M ? 0 : 3 * K), rows, K, codes.data(), int4, NT, scale16.data(), off16,
+                           N, gs, half.data());
+      report(off16 ? "lowbit_matmul_f16: float16 scales and offsets give the float32 ones' bits"
+                   : "lowbit_matmul_f16: float16 scales, offsets derived, give the float32 ones' bits",
+             std::memcmp(half.data(), out.data() + (rows == M ? 0 : 3 * N), rows * N * sizeof(float)) == 0 ? 0.0
+                                                                                                            : 1.0,
+             0.0);
+    }
   std::printf("bits lowbit_matmul %s %016llx\n", int4 ? "4-bit" : "8-bit",
               (unsigned long long)digest(two.data(), 2 * N, digest(one.data(), N, digest(out.data(), M * N))));
 }

@@ -96,6 +96,36 @@ def test_offsets_derived_from_the_scales_give_the_bits_of_stored_ones(cpu_varian
         assert torch.equal(derived(x[:rows]), stored(x[:rows]))
 
 
+@pytest.mark.parametrize("form", ["q4_0", "q4_1", "q8_0"])
+def test_float16_scales_give_the_bits_of_float32_ones(cpu_variant: object, form: str) -> None:
+    # the file's float16 scales (and Q4_1's offsets) are kept as float16 and converted in the kernel: the same
+    # float32 values, so the same bits at every row count (each variant's paths: 1-2 rows in registers, up to six,
+    # more through a buffer), with a ragged last tile (100 columns)
+    g = torch.Generator().manual_seed(9)
+    if form == "q8_0":
+        codes = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
+        scale, offset = (torch.rand(100, 18, generator=g) * 0.01).half().float(), torch.zeros(100, 18)
+    else:
+        groups = four_bit(100, 576, seed=10, q4_1=form == "q4_1")
+        codes, scale, offset = (torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.offset))
+        scale[0, :4] = torch.tensor([0.0, 2.0**-24, 3 * 2.0**-20, 65504.0])  # zero, float16 subnormals, the largest
+        scale, offset = scale.half().float(), offset.half().float()
+        if form == "q4_0":
+            offset = -8 * scale
+    half = LowBitTiles(codes, scale, offset, 32)
+    assert half.half_scales and half.scale.dtype == torch.float16
+    assert (half.offset.numel() > 0) == (form == "q4_1")
+    full = LowBitTiles(codes, scale, offset, 32)
+    full.scale, full.offset = full.scale.float(), full.offset.float()  # the same values as float32, streamed
+    assert not full.half_scales
+    torch.testing.assert_close(half.dequantize(), full.dequantize(), rtol=0, atol=0)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(11))
+    for rows in (1, 2, 3, 7, 9):
+        assert torch.equal(half(x[:rows]), full(x[:rows]))
+    # scales that float16 does not hold exactly stay float32 (a Q6_K head's d * scale_j)
+    assert not LowBitTiles(codes, scale + 2.0**-30, offset, 32).half_scales
+
+
 def test_the_kernel_is_a_torch_operator_that_compiles() -> None:
     assert cpu_matmul.kernel() is not None  # the binding's operator calls the active variant: this CPU's
     groups = four_bit(64, 64, seed=5)

@@ -36,7 +36,9 @@ const mh_runtime kRuntime = {parallel_for, num_threads};
 class Kernels {
  public:
   explicit Kernels(uintptr_t address) : k_(reinterpret_cast<const mh_kernels*>(address)) {
-    TORCH_CHECK(k_ != nullptr && k_->abi == MINDIE_HOST_KERNELS_ABI, "a kernel library of another interface version");
+    // version 1 (a build before lowbit_matmul_f16, for benchmarks that alternate builds) is the table's prefix
+    TORCH_CHECK(k_ != nullptr && (k_->abi == MINDIE_HOST_KERNELS_ABI || k_->abi == 1),
+                "a kernel library of another interface version");
     k_->set_runtime(&kRuntime);
   }
 
@@ -120,8 +122,12 @@ class Kernels {
     const bool int4 = codes.scalar_type() == at::kByte;
     TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
     TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
-                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32");
+    // float32 scales, or the file's float16 ones (the kernel converts them exactly); offsets of the same dtype
+    const bool half = scale.scalar_type() == at::kHalf;
+    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) &&
+                    (offset.numel() == 0 || offset.scalar_type() == scale.scalar_type()) &&
+                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32 or float16, alike");
+    TORCH_CHECK(!half || k_->abi >= 2, "float16 scales: a kernel library of interface version 2 or later");
     const int64_t M = x.size(0), K = x.size(1), NT = codes.size(0), P = codes.size(1);
     TORCH_CHECK(group_size > 0 && K == 2 * P && K % group_size == 0 && group_size % 2 == 0 && NT * 32 >= N && N > 0,
                 "shapes");
@@ -131,7 +137,12 @@ class Kernels {
     TORCH_CHECK(scale.numel() == NT * G * 32 && (derived || offset.numel() == NT * G * 32),
                 "scale, offset: [NT, G, 32] (offset may be empty)");
     auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-    if (M > 0)
+    if (M > 0 && half)
+      k_->lowbit_matmul_f16(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
+                            static_cast<const uint16_t*>(scale.data_ptr()),
+                            derived ? nullptr : static_cast<const uint16_t*>(offset.data_ptr()), N, group_size,
+                            out.data_ptr<float>());
+    else if (M > 0)
       k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
                         scale.data_ptr<float>(), derived ? nullptr : offset.data_ptr<float>(), N, group_size,
                         out.data_ptr<float>());

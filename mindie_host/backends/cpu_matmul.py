@@ -54,6 +54,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return mod.silu_mul(gate_up.contiguous()) if mod is not None else None
 
 
+def _exact_in_half(t: torch.Tensor) -> bool:
+    """Whether every value of float32 ``t`` is a float16 value (float16 -> float32 gives back its bits)."""
+    return torch.equal(t.half().float().view(torch.int32), t.view(torch.int32))
+
+
 def _tiles(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` padded to whole tiles of output rows, as ``[N / 32, 32, ...]``."""
     pad = -t.shape[0] % TILE
@@ -66,6 +71,11 @@ class LowBitTiles:
     """A weight's low-bit codes in the kernel's layout: tiles of 32 output columns, codes in pairs along K.
 
     ``W[n, k] == codes[n, k] * scale[n, k // group_size] + offset[n, k // group_size]``.
+
+    The scales (and any stored offsets) are kept as float16 where every one of them is a float16 value (a GGUF
+    Q4_0 / Q4_1 / Q8_0 file's ``d`` and ``m``), checked bit for bit: the kernel converts them back to the same
+    float32 values, so the product's bits do not change, with fewer bytes to stream (Q4_0 0.625 -> 0.5625 a
+    weight, Q8_0 1.125 -> 1.0625); otherwise float32 (a Q6_K head's ``d * scale_j``).
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> None:
@@ -78,7 +88,8 @@ class LowBitTiles:
             self.codes = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [NT, K/2, 32]
         else:  # int8: a pair per column, the 32 columns in a row
             self.codes = pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], k // 2, 2 * TILE).contiguous()
-        self.scale = _tiles(scale.float()).transpose(1, 2).contiguous()  # [NT, G, 32]
+        scale = scale.float()
+        self.scale = _tiles(scale).transpose(1, 2).contiguous()  # [NT, G, 32]
         #: whether any group has an offset (4-bit groups; 8-bit ones have none)
         self.has_offset = codes.dtype == torch.uint8 or bool(offset.any())
         #: the groups' offsets in the tiles' layout, or empty where each is what the kernel derives from its scale
@@ -90,6 +101,13 @@ class LowBitTiles:
                 self.offset = _tiles(offset).transpose(1, 2).contiguous()
         elif self.has_offset:
             self.offset = _tiles(offset.float()).transpose(1, 2).contiguous()
+        if all(_exact_in_half(t) for t in (self.scale, self.offset)):
+            self.scale, self.offset = self.scale.half(), self.offset.half()
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether the scales (and stored offsets) are kept as float16 (see the class)."""
+        return self.scale.dtype == torch.float16
 
     @staticmethod
     def four_bit(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> LowBitTiles:
@@ -122,15 +140,16 @@ class LowBitTiles:
             codes = torch.stack([lo, hi], -1).reshape(nt * TILE, 2 * half)
         else:
             codes = self.codes.view(nt, half, TILE, 2).permute(0, 2, 1, 3).reshape(nt * TILE, 2 * half)
-        scale = self.scale.transpose(1, 2).reshape(nt * TILE, -1)
+        scale = self.scale.float().transpose(1, 2).reshape(nt * TILE, -1)
         offset = self.full_offset().transpose(1, 2).reshape(nt * TILE, -1)
         return codes[: self.n], scale[: self.n], offset[: self.n]
 
     def full_offset(self) -> torch.Tensor:
-        """The groups' offsets ``[NT, G, 32]``, derived from the scales where :attr:`offset` is empty."""
+        """The groups' offsets ``[NT, G, 32]`` in float32, derived from the scales where :attr:`offset` is empty."""
         if self.offset.numel():
-            return self.offset
-        return -8 * self.scale if self.codes.dtype == torch.uint8 else torch.zeros_like(self.scale)
+            return self.offset.float()
+        scale = self.scale.float()
+        return -8 * scale if self.codes.dtype == torch.uint8 else torch.zeros_like(scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight as float32 ``[len(ids), K]``, gathered from the tiles (an embedding lookup
@@ -143,7 +162,7 @@ class LowBitTiles:
             codes = torch.stack([packed & 15, packed >> 4], -1).reshape(ids.shape[0], 2 * half)
         else:
             codes = self.codes.view(nt, half, TILE, 2)[tile, :, col].reshape(ids.shape[0], 2 * half)
-        scale = self.scale[tile, :, col][..., None]  # [M, G, 1]
+        scale = self.scale[tile, :, col].float()[..., None]  # [M, G, 1]
         groups = codes.float().view(ids.shape[0], -1, self.group_size) * scale
         if self.has_offset:
             groups = groups + self.full_offset()[tile, :, col][..., None]

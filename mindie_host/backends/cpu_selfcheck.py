@@ -111,21 +111,22 @@ def _lowbit(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float
     out = []
     for kind, cols, group_size in s.low_bit:
         n = 40  # a whole tile of 32 output columns and a ragged one
-        if kind == "int4":
-            codes = torch.randint(0, 16, (n, cols), generator=g, dtype=torch.uint8)
+        # both forms of the scales: float16 ones (a GGUF file's d: LowBitTiles keeps them so) and float32 ones
+        for half in (True, False):
             scale = torch.rand(n, cols // group_size, generator=g) * 0.02 + 1e-3
-            offset = -8 * scale
-            tiles = LowBitTiles.four_bit(codes, scale, offset, group_size)
-        else:
-            codes = torch.randint(-127, 128, (n, cols), generator=g, dtype=torch.int8)
-            scale = torch.rand(n, cols // group_size, generator=g) * 0.02 + 1e-3
-            tiles = LowBitTiles(codes, scale, torch.zeros_like(scale), group_size)
-        weight = tiles.dequantize()
-        for rows in (1, 2, 7):  # the paths of one and two rows, and of many
-            x = torch.randn(rows, cols, generator=g).to(act)
-            got = k.lowbit_matmul(x, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size)
-            out.append((f"lowbit_matmul {kind} {cols} columns, groups of {tiles.group_size}, {rows} rows", 1e-4,
-                        got, x.float() @ weight.T))
+            scale = scale.half().float() if half else scale
+            if kind == "int4":
+                codes = torch.randint(0, 16, (n, cols), generator=g, dtype=torch.uint8)
+                tiles = LowBitTiles.four_bit(codes, scale, -8 * scale, group_size)
+            else:
+                codes = torch.randint(-127, 128, (n, cols), generator=g, dtype=torch.int8)
+                tiles = LowBitTiles(codes, scale, torch.zeros_like(scale), group_size)
+            weight = tiles.dequantize()
+            for rows in (1, 2, 7):  # the paths of one and two rows, and of many
+                x = torch.randn(rows, cols, generator=g).to(act)
+                got = k.lowbit_matmul(x, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size)
+                out.append((f"lowbit_matmul {kind} {cols} columns, groups of {tiles.group_size}, "
+                            f"{tiles.scale.dtype} scales, {rows} rows", 1e-4, got, x.float() @ weight.T))
     return out
 
 

@@ -8,7 +8,9 @@
 #pragma once
 #include <cstdint>
 
-#define MINDIE_HOST_KERNELS_ABI 1
+// 2: lowbit_matmul_f16 appended at the end of the table; a library of version 1 (a build before it, which benchmarks
+// such as bench/lowbit_shapes.py --compare alternate with this one) still loads, for float32 scales only
+#define MINDIE_HOST_KERNELS_ABI 2
 
 extern "C" {
 
@@ -49,6 +51,10 @@ struct mh_kernels {
                         const float* scale, const float* offset, int64_t N, int64_t group_size, float* out);
   // silu(gate) * up from bfloat16 [M, 2I] to bfloat16 [M, I] (bits), float32 arithmetic and one rounding
   void (*silu_mul)(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I);
+
+  // (version 2) lowbit_matmul with the group scales and offsets as float16 bits, converted exactly in the kernel
+  void (*lowbit_matmul_f16)(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                            const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out);
 };
 
 // The table of the variant this library was built as.
@@ -104,6 +110,8 @@ void prompt_attention(const float* q, const void* k, const void* v, int kv_bf16,
 extern const int lowbit_activation;
 void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const float* scale,
                    const float* offset, int64_t N, int64_t group_size, float* out);
+void lowbit_matmul_f16(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                       const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out);
 void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I);
 }  // namespace mh
 #endif

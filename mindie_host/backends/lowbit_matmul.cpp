@@ -29,6 +29,13 @@
 // loaded: the same float32 values the offset tensor held (-8 * s is exact), so the same bits, with a quarter fewer
 // bytes to stream for Q4_0 (0.75 -> 0.625 a weight) and a sixth fewer for int8 groups of 16 (1.5 -> 1.25).
 //
+// Float16 scales: where a matrix's group scales (and stored offsets) are all float16 values, as a GGUF file's Q4_0,
+// Q4_1 and Q8_0 ``d`` (and ``m``) are, LowBitTiles keeps them as float16 (checked bit for bit at load) and the binding
+// calls lowbit_matmul_f16: each vector of scales is widened to float32 as it is loaded (avx512 ``vcvtph2ps``, avx2
+// F16C, neon ``vcvt_f32_f16``, portable an exact conversion in software), the float32 values the float32 tensor would
+// hold, so the same bits, with fewer bytes to stream: Q4_0 0.625 -> 0.5625 a weight, Q8_0 1.125 -> 1.0625 (the
+// file's own sizes). Every function below takes its scales as ``const Sc*``, Sc float or uint16_t (float16 bits).
+//
 // silu_mul: the gated MLP's activation between the prompt rows' two bfloat16 products (linear.bf16_gated_mlp).
 #define MINDIE_HOST_KERNEL_SOURCE 1
 #include <algorithm>
@@ -47,6 +54,23 @@ constexpr int64_t kTile = 32;  // output columns per tile
 // A group's offsets when they are derived (``offset == scale``, see the header): -8 * scale for 4-bit codes, 0 for
 // 8-bit ones, exactly the values the offset tensor held.
 inline float derived_offset(bool int4, float scale) { return int4 ? -8.f * scale : 0.f; }
+
+// Group scales (and stored offsets) are float32, or float16 bits where the file's are float16 (GGUF Q4_0, Q4_1,
+// Q8_0's ``d``): converted to float32 as they are loaded, exactly (every float16 is a float32), so the kernel works
+// with the same float32 values either way. ``Sc`` is float or uint16_t (float16 bits) throughout.
+inline float half_to_float(uint16_t h) {  // exact, in software (the portable variant; vector variants convert 8-16)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+    const float v = static_cast<float>(man) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float scale_at(const float* p) { return *p; }
+inline float scale_at(const uint16_t* p) { return half_to_float(*p); }
 
 #if defined(MH_AVX512)
 // -- avx512: bfloat16 pair dot products ---------------------------------------------------------------------------
@@ -82,6 +106,12 @@ inline void unpack_int8(const int8_t* codes, int64_t P, uint32_t* buf) {
 // ``tile_bytes`` apart. The pairs are the same bits either way.
 enum class Source { kBuffer, kInt4, kInt8 };
 
+// 16 group scales (or offsets) as float32: loaded, or converted from float16 (F16C, exact).
+inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 scales16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 template <Source S>
 inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, int64_t P, int64_t tile_bytes) {
   if constexpr (S == Source::kBuffer) {
@@ -98,9 +128,9 @@ inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, 
 // Every output element is reduced the same way whatever MR and TN are: per group, a chain of dot
 // products over its pairs, then scale and offset applied in float32. Larger MR * TN only gives the
 // core more independent chains to overlap. ``bias`` is what the unpacking adds to each code (128 or 0).
-template <int MR, int TN, Source S = Source::kBuffer>
+template <int MR, int TN, Source S = Source::kBuffer, typename Sc = float>
 inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_t G, const void* src,
-                       const float* scale, const float* offset, int64_t PG, float* out, int64_t N, int64_t n0,
+                       const Sc* scale, const Sc* offset, int64_t PG, float* out, int64_t N, int64_t n0,
                        float bias, int64_t tile_bytes = 0) {
   constexpr int V = 2 * TN;  // 16-column vectors per row
   __m512 res[MR][V];
@@ -120,10 +150,10 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
       }
     }
     for (int j = 0; j < V; ++j) {
-      const float* st = scale + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
-      const float* ot = offset + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
-      const __m512 sv = _mm512_loadu_ps(st);
-      const __m512 of = ot != st ? _mm512_loadu_ps(ot)
+      const Sc* st = scale + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
+      const Sc* ot = offset + (j / 2) * G * kTile + g * kTile + (j % 2) * 16;
+      const __m512 sv = scales16(st);
+      const __m512 of = ot != st ? scales16(ot)
                                  : (bias != 0.f ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps());
       const __m512 ov = _mm512_fnmadd_ps(bv, sv, of);
       for (int r = 0; r < MR; ++r)
@@ -143,9 +173,9 @@ inline void rows_block(const uint32_t* x32, int64_t P, const float* xsum, int64_
 // after the other unpacked every tile twice and made a two-row product slower than a three-row one), more rows a
 // tile at a time, six rows at a time. Each output is computed the same way
 // whatever the grouping (see rows_block).
-template <Source S>
+template <Source S, typename Sc>
 void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, int64_t G, const void* src,
-                int64_t tile_bytes, int64_t tn, const float* st, const float* ot, int64_t PG, float* out, int64_t N,
+                int64_t tile_bytes, int64_t tn, const Sc* st, const Sc* ot, int64_t PG, float* out, int64_t N,
                 int64_t n0, float bias) {
   const uint8_t* tiles = static_cast<const uint8_t*>(src);
   if (M == 2) {  // both rows over each tile's codes as they are unpacked (once for the two), two tiles at a time
@@ -172,8 +202,8 @@ void chunk_rows(const uint32_t* x32, int64_t M, int64_t P, const float* xsum, in
   }
   for (int64_t j = 0; j < tn; ++j) {
     const uint8_t* w = tiles + j * tile_bytes;
-    const float* s = st + j * G * kTile;
-    const float* o = ot + j * G * kTile;
+    const Sc* s = st + j * G * kTile;
+    const Sc* o = ot + j * G * kTile;
     const int64_t nj = n0 + j * kTile;
     int64_t m = 0;
     for (; m + 6 <= M; m += 6)
@@ -208,8 +238,9 @@ inline float group_sum(const uint16_t* x, int64_t n) {
   return s;
 }
 
-void lowbit_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* cp, int int4, int64_t NT, const float* sp,
-                 const float* op, int64_t N, int64_t group_size, float* outp) {
+template <typename Sc>
+void lowbit_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* cp, int int4, int64_t NT, const Sc* sp,
+                 const Sc* op, int64_t N, int64_t group_size, float* outp) {
   const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
   const float bias = int4 ? 128.f : 0.f;
   const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);
@@ -233,8 +264,8 @@ void lowbit_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* cp, in
       // with this chunk's arithmetic, and the hardware's stream prefetchers follow these sequential tiles by
       // themselves (gate/up 2048 -> 16384, one row, one thread: 1,589 -> 1,229 us; a prefetch a fixed distance
       // ahead inside the loop gained nothing).
-      const float* st = sp + t0 * G * kTile;
-      const float* ot = op + t0 * G * kTile;
+      const Sc* st = sp + t0 * G * kTile;
+      const Sc* ot = op + t0 * G * kTile;
       const int64_t n0 = t0 * kTile;
       if (M <= 6) {  // one block of rows: unpack in registers as the codes are used (no buffer to write and read)
         if (int4)
@@ -281,17 +312,21 @@ inline void dequant8(const uint8_t* tile, int64_t p, int c8, __m256 scale, __m25
   hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale, offset);
 }
 
+// 8 group scales (or offsets) as float32: loaded, or converted from float16 (F16C, exact).
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // The offsets at ``offset + at``, or derived from the scales ``sv`` loaded from ``scale + at`` (offset == scale).
-template <bool INT4>
-inline __m256 offset8(const float* scale, const float* offset, int64_t at, __m256 sv) {
-  if (offset != scale) return _mm256_loadu_ps(offset + at);
+template <bool INT4, typename Sc>
+inline __m256 offset8(const Sc* scale, const Sc* offset, int64_t at, __m256 sv) {
+  if (offset != scale) return scales8(offset + at);
   return INT4 ? _mm256_mul_ps(sv, _mm256_set1_ps(-8.f)) : _mm256_setzero_ps();
 }
 
 // MR (1 or 2) rows times TN tiles, dequantizing in registers: acc = fma(x[k], w[k], acc) over k in order.
-template <bool INT4, int MR, int TN>
-inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const float* scale,
-                              const float* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
+template <bool INT4, int MR, int TN, typename Sc>
+inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const Sc* scale,
+                              const Sc* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
   __m256 acc[MR][TN * 4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < TN * 4; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -306,7 +341,7 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
         for (int c8 = 0; c8 < 4; ++c8) {
           const int64_t at = t * G * kTile + g * kTile + c8 * 8;
           __m256 lo, hi;
-          const __m256 sv = _mm256_loadu_ps(scale + at);
+          const __m256 sv = scales8(scale + at);
           dequant8<INT4>(tiles + t * tile_bytes, p, c8, sv, offset8<INT4>(scale, offset, at, sv), lo, hi);
           for (int r = 0; r < MR; ++r) {
             acc[r][t * 4 + c8] = _mm256_fmadd_ps(x0[r], lo, acc[r][t * 4 + c8]);
@@ -333,10 +368,14 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 #endif  // MH_AVX2
 
 #if defined(MH_NEON)
+// 4 group scales (or offsets) as float32: loaded, or widened from float16 (exact).
+inline float32x4_t scales4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t scales4(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+
 // Columns c8 * 8 .. c8 * 8 + 7 of pair p of a tile, dequantized as avx2's dequant8 does (one fused multiply-add
 // each): k = 2p into lo[0..1], k = 2p + 1 into hi[0..1], four columns a register.
-template <bool INT4>
-inline void dequant8(const uint8_t* tile, int64_t p, int c8, const float* scale, const float* offset, float32x4_t lo[2],
+template <bool INT4, typename Sc>
+inline void dequant8(const uint8_t* tile, int64_t p, int c8, const Sc* scale, const Sc* offset, float32x4_t lo[2],
                      float32x4_t hi[2]) {
   int32x4_t a[2], b[2];
   if constexpr (INT4) {
@@ -355,8 +394,8 @@ inline void dequant8(const uint8_t* tile, int64_t p, int c8, const float* scale,
     b[1] = vmovl_s16(vget_high_s16(high));
   }
   for (int h = 0; h < 2; ++h) {
-    const float32x4_t sc = vld1q_f32(scale + h * 4);
-    const float32x4_t of = offset != scale ? vld1q_f32(offset + h * 4)
+    const float32x4_t sc = scales4(scale + h * 4);
+    const float32x4_t of = offset != scale ? scales4(offset + h * 4)
                                            : (INT4 ? vmulq_n_f32(sc, -8.f) : vdupq_n_f32(0.f));
     lo[h] = vfmaq_f32(of, vcvtq_f32_s32(a[h]), sc);
     hi[h] = vfmaq_f32(of, vcvtq_f32_s32(b[h]), sc);
@@ -364,9 +403,9 @@ inline void dequant8(const uint8_t* tile, int64_t p, int c8, const float* scale,
 }
 
 // MR (1 or 2) rows times TN tiles, dequantizing in registers: acc = fma(x[k], w[k], acc) over k in order.
-template <bool INT4, int MR, int TN>
-inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const float* scale,
-                              const float* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
+template <bool INT4, int MR, int TN, typename Sc>
+inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const Sc* scale,
+                              const Sc* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
   float32x4_t acc[MR][TN * 8];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < TN * 8; ++j) acc[r][j] = vdupq_n_f32(0.f);
@@ -409,18 +448,18 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 #endif  // MH_NEON
 
 // Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major).
-template <bool INT4>
-inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const float* scale, const float* offset,
+template <bool INT4, typename Sc>
+inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc* scale, const Sc* offset,
                           int64_t PG, float* buf) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* s = scale + (p / PG) * kTile;
-    const float* o = offset + (p / PG) * kTile;
+    const Sc* s = scale + (p / PG) * kTile;
+    const Sc* o = offset + (p / PG) * kTile;
     float* lo = buf + (2 * (p - p0)) * kTile;
     float* hi = lo + kTile;
 #if defined(MH_AVX2)
     for (int c8 = 0; c8 < 4; ++c8) {
       __m256 a, b;
-      const __m256 sv = _mm256_loadu_ps(s + c8 * 8);
+      const __m256 sv = scales8(s + c8 * 8);
       dequant8<INT4>(tile, p, c8, sv, offset8<INT4>(s, o, c8 * 8, sv), a, b);
       _mm256_storeu_ps(lo + c8 * 8, a);
       _mm256_storeu_ps(hi + c8 * 8, b);
@@ -446,9 +485,10 @@ inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const flo
         a = static_cast<float>(pair[0]);
         b = static_cast<float>(pair[1]);
       }
-      const float oc = o != s ? o[c] : derived_offset(INT4, s[c]);
-      lo[c] = a * s[c] + oc;
-      hi[c] = b * s[c] + oc;
+      const float sc = scale_at(s + c);
+      const float oc = o != s ? scale_at(o + c) : derived_offset(INT4, sc);
+      lo[c] = a * sc + oc;
+      hi[c] = b * sc + oc;
     }
 #endif
   }
@@ -502,9 +542,9 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
 // Tiles t0 .. t1 for all M rows through the buffer: blocks of k outermost (a block of x stays in cache across
 // the tiles), each tile's block dequantized once, then the rows over it three (or two) at a time. A tile that runs
 // past N keeps its accumulators in ``ragged`` ([M][32]) instead of the output.
-template <bool INT4>
-void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const float* sp,
-                    const float* op, int64_t G, int64_t PG, int64_t t0, int64_t t1, float* out, int64_t N,
+template <bool INT4, typename Sc>
+void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const Sc* sp,
+                    const Sc* op, int64_t G, int64_t PG, int64_t t0, int64_t t1, float* out, int64_t N,
                     std::vector<float>& wbuf, std::vector<float>& ragged) {
   wbuf.resize(kBlockK * kTile);
   for (int64_t kb = 0; kb < K; kb += kBlockK) {
@@ -541,8 +581,8 @@ void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int
   }
 }
 
-template <bool INT4>
-void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t NT, const float* sp, const float* op,
+template <bool INT4, typename Sc>
+void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t NT, const Sc* sp, const Sc* op,
                 int64_t N, int64_t group_size, float* out) {
   const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
   const int64_t tile_bytes = P * (INT4 ? kTile : 2 * kTile);
@@ -553,8 +593,8 @@ void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
         const uint8_t* tiles = cp + t0 * tile_bytes;
-        const float* s = sp + t0 * G * kTile;
-        const float* o = op + t0 * G * kTile;
+        const Sc* s = sp + t0 * G * kTile;
+        const Sc* o = op + t0 * G * kTile;
         if (M == 2)
           rows_in_registers<INT4, 2, 1>(x, K, tiles, tile_bytes, s, o, G, PG, out, N, t0 * kTile);
         else if (tn == 2)
@@ -585,9 +625,11 @@ const int lowbit_activation = 0;
 #endif
 
 // x: [M, K] (bfloat16 bits with AVX512-BF16, else float32); codes: [NT, K/2, 32] uint8 (4-bit: two codes a byte) or
-// [NT, K/2, 64] int8 (8-bit); scale, offset: [NT, K/gs, 32] float32 -> out [M, N] float32.
-void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const float* scale,
-                   const float* offset, int64_t N, int64_t group_size, float* out) {
+// [NT, K/2, 64] int8 (8-bit); scale, offset: [NT, K/gs, 32] float32 (lowbit_matmul) or float16 bits
+// (lowbit_matmul_f16) -> out [M, N] float32.
+template <typename Sc>
+void lowbit_any(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const Sc* scale,
+                const Sc* offset, int64_t N, int64_t group_size, float* out) {
   if (offset == nullptr) offset = scale;  // derived offsets (see the header)
 #if defined(MH_AVX512)
   lowbit_bf16(static_cast<const uint16_t*>(x), M, K, codes, int4, NT, scale, offset, N, group_size, out);
@@ -597,6 +639,16 @@ void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, in
   else
     lowbit_f32<false>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out);
 #endif
+}
+
+void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const float* scale,
+                   const float* offset, int64_t N, int64_t group_size, float* out) {
+  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out);
+}
+
+void lowbit_matmul_f16(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                       const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out) {
+  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out);
 }
 
 // silu(gate) * up for the rows of a gated MLP, from its gate/up product's bfloat16 output [M, 2I] ([gate | up])
