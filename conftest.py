@@ -5,6 +5,8 @@ Most integration tests run a real server in this process (on a thread), so model
 transformers reference models come and go module by module. Freed tensors return to glibc's heaps, which
 keep them unless asked: each module's leftovers would add up. So the process uses few malloc arenas, and
 after every test module the garbage is collected and the heaps are trimmed back to the OS.
+``MINDIE_HOST_TEST_MEMLOG=FILE`` appends each module's memory to FILE (time at its end, worker, module, seconds,
+RSS before, peak and after, PSS before and after): the modules that leave a worker bigger than they found it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import time
 
 import pytest
 
@@ -50,8 +53,46 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """After the last test of a module, once its module-scoped fixtures (servers, hosts) are finalised; in the
     heavy modules after every test, since a default-model host a test made lives on in reference cycles until
     collected (3.4 GB in float32 with its packed copies: test_default_model held two at once, 6.9 GB)."""
-    if nextitem is None or nextitem.module is not item.module or _module_of(item) in HEAVY_MODULES:
+    last = nextitem is None or nextitem.module is not item.module
+    if last or _module_of(item) in HEAVY_MODULES:
         _trim()
+    if last and _MEMLOG:
+        _memlog_module_end(item)
+
+
+# -- MINDIE_HOST_TEST_MEMLOG=FILE: each module's memory in the process that ran it, one line a module -------------
+#: where to append the lines (unset: nothing is measured)
+_MEMLOG = os.environ.get("MINDIE_HOST_TEST_MEMLOG", "")
+_memlog_start: dict[str, float] = {}
+
+
+def _memory_gib() -> dict[str, float]:
+    """This process's VmRSS, VmHWM (peak RSS since the last reset) and Pss, in GiB (Linux ``/proc``)."""
+    found: dict[str, float] = {}
+    for name, keys in (("/proc/self/status", ("VmRSS:", "VmHWM:")), ("/proc/self/smaps_rollup", ("Pss:",))):
+        with open(name) as f:
+            for line in f:
+                if line.startswith(keys):
+                    found[line.split(":")[0]] = int(line.split()[1]) / 2**20
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the first test of a module (its module fixtures not yet made): note the memory, reset the peak."""
+    if _MEMLOG and _memlog_start.get("module") != id(item.module):
+        _memlog_start.clear()
+        _memlog_start.update(_memory_gib(), module=id(item.module), time=time.monotonic())
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+
+
+def _memlog_module_end(item: pytest.Item) -> None:
+    now, start = _memory_gib(), _memlog_start
+    with open(_MEMLOG, "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')}\t{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{_module_of(item)}\t"
+                f"{time.monotonic() - start['time']:.0f}s\tRSS {start['VmRSS']:.2f} -> peak {now['VmHWM']:.2f} -> "
+                f"{now['VmRSS']:.2f} GiB\tPSS {start['Pss']:.2f} -> {now['Pss']:.2f} GiB\n")
 
 
 # -- pytest-xdist: the modules that hold the most memory run one after another, in one worker ---------------------
