@@ -4,6 +4,9 @@ A small multiple-choice task over a JSONL file written here is scored twice: by 
 ``local-completions`` model talking to the server's ``/v1/completions`` (``echo`` with prompt
 logprobs), and by lm-eval's ``hf`` model on the same weights in transformers. Accuracy and every
 per-choice loglikelihood must agree (quantization ``none``).
+
+lm-eval runs in a child process (:func:`~mindie_host.testing.child_process`): what it imports and builds (datasets,
+its task index, transformers' model) leaves with that process instead of staying in the test process.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mindie_host.testing import RunningServer, server_config
+from mindie_host.testing import RunningServer, child_process, server_config
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -76,14 +79,15 @@ def test_lm_eval_local_completions_matches_hf(tiny_model: Path, tmp_path: Path,
     task_dir.mkdir()
     (task_dir / "mindie_host_mc.yaml").write_text(TASK_YAML.format(data=data))
 
-    hf_acc, hf_lls = _evaluate("hf", {"pretrained": str(tiny_model), "dtype": "float32", "device": "cpu"},
-                               task_dir)
-    cfg = server_config(tiny_model, model={"quantization": "none"})
-    with RunningServer(cfg) as server:
-        api_acc, api_lls = _evaluate("local-completions", {
-            "base_url": server.url + "/v1/completions", "model": "tiny", "tokenizer": str(tiny_model),
-            "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1,
-        }, task_dir)
+    with child_process() as child:  # started now, with the environment set above
+        hf_acc, hf_lls = child.submit(_evaluate, "hf", {"pretrained": str(tiny_model), "dtype": "float32",
+                                                        "device": "cpu"}, task_dir).result()
+        cfg = server_config(tiny_model, model={"quantization": "none"})
+        with RunningServer(cfg) as server:
+            api_acc, api_lls = child.submit(_evaluate, "local-completions", {
+                "base_url": server.url + "/v1/completions", "model": "tiny", "tokenizer": str(tiny_model),
+                "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1,
+            }, task_dir).result()
     assert len(api_lls) == len(hf_lls) == len(QUESTIONS)
     for got, want in zip(api_lls, hf_lls):
         assert got == pytest.approx(want, abs=1e-3)
