@@ -57,7 +57,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--conc", default="1,16")
-    ap.add_argument("--no-compile", action="store_true", help="eager decode steps (a quick sanity run)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="eager decode steps (the default config's batch invariance: c=16 must equal c=1)")
+    ap.add_argument("--out", help="a JSON file for the report and every output")
     a = ap.parse_args()
     spec_bench.COMPILE = not a.no_compile
     prompts = make_prompts(a.prompts, seed=7)
@@ -74,15 +76,19 @@ def main() -> int:
                 print(system, c, "done", counters, file=sys.stderr, flush=True)
         finally:
             server.stop()
-    report = {}
+    report: dict[str, str] = {}
     for system, by_conc in outputs.items():
         ref_system = REFERENCE.get(system, system)
-        ref = outputs.get(ref_system, {}).get(1)
-        if ref is None:
-            continue
         for c, outs in by_conc.items():
-            same = sum(o == r for o, r in zip(outs, ref))
-            report[f"{system} c={c} vs {ref_system} c=1"] = f"{same}/{len(outs)} identical"
+            for ref_c in sorted({1, c}):  # against the reference alone, and at the same concurrency
+                ref = outputs.get(ref_system, {}).get(ref_c)
+                if ref is None or (ref_system == system and ref_c == c):
+                    continue
+                differ = [i for i, (o, r) in enumerate(zip(outs, ref)) if o != r]
+                report[f"{system} c={c} vs {ref_system} c={ref_c}"] = (
+                    f"{len(outs) - len(differ)}/{len(outs)} identical" + (f" (prompts {differ} differ)" if differ else ""))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"report": report, "outputs": outputs}, indent=1))
     print(json.dumps(report, indent=1))
     return 0
 
