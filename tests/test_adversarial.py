@@ -323,11 +323,14 @@ def test_probes_answer_while_a_4mb_prompt_is_tokenized(server: RunningServer) ->
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.02)
     worker.join(120)
+    took = box["done"] - start
     assert box["r"].status_code == 422  # a million tokens: over the input limit, refused naming the field
     assert box["r"].json()["error"]["param"] == "prompt"
     assert len(latencies) >= 10  # the probes ran while the prompt was being tokenized
     assert statistics.median(latencies) < 0.1, latencies
-    assert max(latencies) < 1.0, max(latencies)
+    # an event loop blocked by the tokenization would hold a probe for about all of it; a busy 2-core machine (the
+    # other test worker) may hold one for a second or so: the bound is a share of the tokenization's own time
+    assert max(latencies) < max(1.0, took / 2), (max(latencies), took)
 
 
 # -- 6. hostile encodings: a 4xx in the protocol's format, never internal text --------------------------
