@@ -77,9 +77,6 @@ class Costs:
         return cb + (cb - ca) / (b - a) * (m - b)
 
 
-Proposer = Callable[[list[int], list[int], int], tuple[list[int], int]]  # (tokens, output, pos) -> drafts, cost rows
-
-
 def replay(outputs: dict[str, Any], load: str, costs: Costs, prefill: float,
            new_proposer: Callable[[], Any]) -> tuple[float, float, int]:
     """(predicted tokens/s ratio to plain decoding, acceptance rate, drafts verified) of one rule on ``load``."""
@@ -115,7 +112,7 @@ class PluginRule:
     """The plugin's index and a k rule: ``double`` (the plugin's) or ``plus-one`` (before the copy cursor)."""
 
     def __init__(self, min_n: int, max_n: int, k_max: int, cursor: bool, rule: str) -> None:
-        from mindie_plugin_llma.lookup import NgramIndex
+        from mindie_plugin_llma import NgramIndex
 
         self.index = NgramIndex(min_n, max_n)
         self.k = self.k_max = k_max
@@ -125,10 +122,12 @@ class PluginRule:
         return self.index.propose(tokens, min(self.k, room))
 
     def outcome(self, proposed: int, accepted: int) -> None:
+        from mindie_plugin_llma import next_k
+
         if self.cursor:
             self.index.accepted(accepted)
-        if self.rule == "double" and accepted == proposed:
-            self.k = min(self.k_max, 2 * proposed)
+        if self.rule == "double":
+            self.k = next_k(self.k_max, proposed, accepted)  # the plugin's own rule
         else:
             self.k = min(self.k_max, accepted + 1)
 

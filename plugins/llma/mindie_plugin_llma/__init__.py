@@ -38,7 +38,7 @@ from mindie_host.api import (
 
 from .lookup import NgramIndex
 
-__all__ = ["PLUGIN_NAME", "NgramIndex", "Params", "State"]
+__all__ = ["PLUGIN_NAME", "NgramIndex", "Params", "State", "next_k"]
 
 PLUGIN_NAME = "llma"
 
@@ -71,6 +71,11 @@ class State:
     def __init__(self) -> None:
         self.indexes: dict[str, NgramIndex] = {}
         self.k: dict[str, int] = {}
+
+
+def next_k(k_max: int, proposed: int, accepted: int) -> int:
+    """A request's next k: twice what it proposed after a fully accepted run, else one more than it accepted."""
+    return min(k_max, 2 * proposed if accepted == proposed else accepted + 1)
 
 
 @hookimpl
@@ -115,8 +120,7 @@ def mindie_host_drafts_accepted(ctx: EngineContext, outcomes: list[DraftOutcome]
         index = ctx.state.indexes.get(o.request_id)
         if index is not None:
             index.accepted(o.accepted)
-        full = o.accepted == o.proposed
-        ctx.state.k[o.request_id] = min(k_max, 2 * o.proposed if full else o.accepted + 1)
+        ctx.state.k[o.request_id] = next_k(k_max, o.proposed, o.accepted)
 
 
 @hookimpl
