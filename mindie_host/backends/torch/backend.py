@@ -319,9 +319,13 @@ class TorchBackend(ModelBackend):
     def allocate_swap_space(self, num_blocks: int) -> bool:
         if self.swap_block_bytes() == 0:
             return False
-        pin = self.platform.device_type == "cuda"
-        self.swap_space = [torch.zeros((num_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=pin)
-                           for v in self._block_views()]
+        # pinned for a CUDA cache's fast copies; elsewhere committed only as blocks are swapped out (cpuMemSize is a
+        # ceiling: torch.zeros would make all of it resident at startup, 1 GiB per rank at cpuMemSize 1)
+        if self.platform.device_type == "cuda":
+            self.swap_space = [torch.zeros((num_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=True)
+                               for v in self._block_views()]
+        else:
+            self.swap_space = [lazy_zeros((num_blocks, *v.shape[1:]), v.dtype) for v in self._block_views()]
         return True
 
     def swap_out(self, blocks: list[int], swap_blocks: list[int]) -> None:
@@ -567,4 +571,5 @@ class TorchBackend(ModelBackend):
         if self._compile_child is not None and self._compile_child.poll() is None:
             self._compile_child.kill()
         self.kv_caches = []
+        self.swap_space = []
         self.model = None
