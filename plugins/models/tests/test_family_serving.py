@@ -9,7 +9,8 @@ layers behind a multimodal checkpoint (test_match_transformers.py serves it).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,19 +124,26 @@ def test_int8_kv_cache_and_weight_schemes(name: str, tiny_family: Callable[[str]
     path = tiny_family(name)
     prompt = prompts()[-1]
 
-    def backend(**model: Any) -> Any:
-        return loaded_host(server_config(path, model={"device": "cpu", "dtype": "float32", **model})).backend
+    @contextmanager
+    def backend(**model: Any) -> Iterator[Any]:
+        """A host's backend for these settings; the host is shut down (its pool freed) before the next is made."""
+        host = loaded_host(server_config(path, model={"device": "cpu", "dtype": "float32", **model}))
+        try:
+            yield host.backend
+        finally:
+            host.shutdown()
 
-    want = _logits(backend(quantization="none"), prompt)
+    with backend(quantization="none") as plain_fp32:
+        want = _logits(plain_fp32, prompt)
     for settings, kind, max_err in (
         ({"quantization": "w8a16"}, "W8A16Weight", 0.03),
         ({"quantization": "w8a8", "kvCacheDtype": "int8"}, "W8A8DynamicWeight", 0.05),
     ):
-        quantized = backend(**settings)
-        layer = quantized.model.layers[-1]
-        products = (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)
-        assert all(type(w).__name__ == kind for w in products), [type(w).__name__ for w in products]
-        got = _logits(quantized, prompt)
+        with backend(**settings) as quantized:
+            layer = quantized.model.layers[-1]
+            products = (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)
+            assert all(type(w).__name__ == kind for w in products), [type(w).__name__ for w in products]
+            got = _logits(quantized, prompt)
         agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
         err = float((got - want).abs().max() / want.abs().max())
         assert agree >= 0.85 and err <= max_err, (settings, agree, err)
