@@ -308,3 +308,26 @@ def test_min_tokens_bans_eos_until_reached(tiny_host) -> None:
     out = run_engine(tiny_host, [req])["m"]
     assert out.token_ids[:5] == [1000] * 5
     assert eos not in out.token_ids
+
+
+def test_a_recomputed_sequence_brings_its_generated_tokens_as_decode_rows() -> None:
+    """After a preemption by recompute a sequence comes back with its prompt and its generated tokens: the step lays
+    the prompt out as one query and each generated token as a one-token row over the same blocks (the layout a
+    decode step gave it, so it gets the same bits: tests/test_prompt_rows.py), and samples from the last row."""
+    from mindie_host.engine.kv_cache import KVCacheManager
+    from mindie_host.engine.policy import StepPlan
+    from mindie_host.engine.sequence import Sequence
+    from mindie_host.engine.step_input import build_step_input
+
+    seq = Sequence(0, EngineRequest("r", [5, 6, 7, 8, 9], greedy(8)), 8)
+    seq.token_ids += [21, 22, 23]  # three generated tokens, their KV freed by the preemption
+    kv = KVCacheManager(8, 4)
+    kv.allocate(seq, 8)
+    step = build_step_input(StepPlan([(seq, 8)]), {}, kv)
+    assert step.batch.query_lens == [5, 1, 1, 1]
+    assert step.batch.context_lens == [5, 6, 7, 8]
+    assert step.batch.positions == list(range(8)) and step.batch.input_ids == seq.token_ids
+    assert step.batch.prompt_queries() == [True, False, False, False]
+    assert step.batch.logits_indices == [7] and step.samplers == [(seq, 0, 1)]
+    chunk = build_step_input(StepPlan([(seq, 3)]), {}, kv)  # a prompt chunk: one query, as before
+    assert chunk.batch.query_lens == [3] and chunk.batch.logits_indices == [2]

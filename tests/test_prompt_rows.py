@@ -113,6 +113,50 @@ def test_a_step_whose_prompt_rows_are_not_one_run_serves_each_row_its_own_bits(a
     assert torch.equal(mixed[2], prefill(auto, [3])[0])
 
 
+def step(backend: TorchBackend, seqs: list[tuple[int, int, int]], logits: list[int]) -> torch.Tensor:
+    """One step of queries ``(prompt s, first position, tokens)`` over prompt ``s``'s blocks (positions past the
+    prompt bring token 11 + position: generated tokens); the logits of flat rows ``logits``."""
+    ids: list[int] = []
+    for s, start, n in seqs:
+        ids.extend(prompts()[s][p] if p < LENGTHS[s] else 11 + p for p in range(start, start + n))
+    return backend.execute(ModelInput(
+        input_ids=ids, positions=[p for _, start, n in seqs for p in range(start, start + n)],
+        query_lens=[n for *_, n in seqs], context_lens=[start + n for _, start, n in seqs],
+        block_tables=[tables(s) for s, *_ in seqs], logits_indices=logits, row_variants=[-1] * len(seqs),
+        prompt_lens=[LENGTHS[s] for s, *_ in seqs]))
+
+
+def test_a_prompts_last_token_alone_gets_the_bits_it_gets_in_the_whole_prompt(auto: TorchBackend) -> None:
+    """A prefix cache that holds all of a prompt but its last token leaves that token alone in its step (query of
+    one, maybe beside decode rows): it is still a prompt token (the prompt products, prompt attention), so its
+    logits, and the KV it writes for the next token, carry the bits a whole-prompt step gives. It went through the
+    decode products and decode attention, and a served greedy answer changed with the prefix cache's state."""
+    n = LENGTHS[0]
+    whole = prefill(auto, [0])[0]
+    next_whole = step(auto, [(0, n, 1)], [0])[0]
+    step(auto, [(0, 0, n - 1)], [n - 2])  # all but the last prompt token: what the prefix cache held
+    assert torch.equal(step(auto, [(0, n - 1, 1)], [0])[0], whole)
+    assert torch.equal(step(auto, [(0, n, 1)], [0])[0], next_whole)
+    n1 = LENGTHS[1]
+    prefill(auto, [1])
+    decode1 = step(auto, [(1, n1, 1)], [0])[0]
+    beside = step(auto, [(0, n - 1, 1), (1, n1, 1)], [0, 1])  # beside another sequence's decode row
+    assert torch.equal(beside[0], whole) and torch.equal(beside[1], decode1)
+    assert torch.equal(step(auto, [(0, n - 17, 17)], [16])[0], whole)  # a chunk of 17: the same bits
+
+
+def test_generated_tokens_computed_again_as_decode_rows_get_their_first_bits(auto: TorchBackend) -> None:
+    """A sequence preempted by recompute comes back with its prompt and its generated tokens; the engine lays the
+    generated ones out as one-token decode rows after the prompt's query (engine/step_input.py), and each gets the
+    logits it got when it was decoded."""
+    n = LENGTHS[3]
+    prefill(auto, [3])
+    first = [step(auto, [(3, n + j, 1)], [0])[0] for j in range(3)]
+    again = step(auto, [(3, 0, n), (3, n, 1), (3, n + 1, 1), (3, n + 2, 1)], [n, n + 1, n + 2])
+    for j in range(3):
+        assert torch.equal(again[j], first[j])
+
+
 def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> None:
     reference = load("none")
     want = prefill(reference, [0, 2, 3])

@@ -137,6 +137,14 @@ class ModelInput:
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 
+    def prompt_queries(self) -> list[bool]:
+        """Whether each sequence's query holds prompt tokens (it starts below its prompt length); empty when the
+        prompt lengths are not known. A backend computes a prompt token with the prompt rows' arithmetic even when it
+        is its sequence's only new token, so its result does not depend on how much of the prompt was cached."""
+        if not self.prompt_lens:
+            return []
+        return [c - q < p for c, q, p in zip(self.context_lens, self.query_lens, self.prompt_lens)]
+
 
 class ModelBackend(abc.ABC):
     """A loaded model that can run forward steps over a paged KV cache.

@@ -111,9 +111,10 @@ class PromptRows:
     low-bit matrix multiplies those rows with its bfloat16 copy (oneDNN's bf16 GEMM, several
     times the int4 kernel's rate at hundreds of rows, bench/PERF.md), and generated tokens with
     its low-bit kernel, bound by bytes read. The choice follows the token, never the batch:
-    oneDNN's bf16 product gives each row the same bits at any row count, so a greedy request's
-    output does not depend on what shares its step, how its prompt was chunked, or how much
-    of it a prefix cache held.
+    oneDNN's bf16 product gives each row the same bits at any row count from two (a lone row goes
+    in beside a copy of itself: :func:`prompt_product`), and a prompt token is a prompt row even
+    alone in its step, so a greedy request's output does not depend on what shares its step, how
+    its prompt was chunked, or how much of it a prefix cache held.
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -134,6 +135,17 @@ class PromptRows:
         limit = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(query_lens)).to(positions.device)
         mask = positions < limit
         return PromptRows(mask) if bool(mask.any()) else None
+
+
+def prompt_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for prompt rows in bfloat16 (a low-bit matrix's bfloat16 copy), each row with the bits it
+    gets at any row count. oneDNN multiplies a lone row by another kernel (a matrix-vector product that sums in
+    another order: the default model's down product differed in the last bits), so one row goes in with a copy of
+    itself beside it: the last token of a prompt that a prefix cache held gets the bits it gets in the whole prompt."""
+    x = x.to(torch.bfloat16)
+    if x.shape[0] == 1:
+        return F.linear(x.expand(2, -1), weight)[:1]
+    return F.linear(x, weight)
 
 
 def _as_slice(index: torch.Tensor | None) -> torch.Tensor | slice | None:
@@ -177,9 +189,9 @@ def bf16_gated_mlp(x: torch.Tensor, gate_up: Any, down: Any, prompt_rows: Prompt
         return None
     assert prompt_rows is not None
     prompt = x if prompt_rows.all else x[prompt_rows.prompt_rows]
-    act = cpu_matmul.silu_mul(F.linear(prompt.to(torch.bfloat16), gate_up.prompt_weight))
+    act = cpu_matmul.silu_mul(prompt_product(prompt, gate_up.prompt_weight))
     assert act is not None
-    out_prompt = F.linear(act, down.prompt_weight)
+    out_prompt = prompt_product(act, down.prompt_weight)
     if prompt_rows.all:
         return out_prompt.to(x.dtype)
     out = x.new_empty(x.shape[0], down.shape[0])
@@ -312,12 +324,12 @@ class LowBitWeight:
         """Prompt rows through the bfloat16 copy, generated rows through the low-bit kernel."""
         assert self.prompt_weight is not None
         if rows.all:
-            return F.linear(x.to(torch.bfloat16), self.prompt_weight).to(x.dtype)
+            return prompt_product(x, self.prompt_weight).to(x.dtype)
         assert rows.prompt_rows is not None and rows.generated_rows is not None
         out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
         # a row index (rows not in one run: a recomputed sequence's prompt and generated tokens between others)
         # assigns through index_put, which does not convert dtypes as a slice's copy does
-        out[rows.prompt_rows] = F.linear(x[rows.prompt_rows].to(torch.bfloat16), self.prompt_weight).to(out.dtype)
+        out[rows.prompt_rows] = prompt_product(x[rows.prompt_rows], self.prompt_weight).to(out.dtype)
         out[rows.generated_rows] = self.small_product(x[rows.generated_rows]).to(out.dtype)
         return out
 

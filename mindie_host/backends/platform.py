@@ -66,6 +66,10 @@ class AttentionMetadata:
     context_lens: list[int]
     #: platform-specific per-step inputs added by :meth:`Platform.prepare_step` (block tables, int32 slots ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: whether each sequence's query is prompt tokens (empty: none is). A prompt token is computed with the prompt
+    #: rows' arithmetic even when it comes alone (the last token of a prompt a prefix cache held, a one-token chunk),
+    #: so its bits do not depend on how the prompt was chunked or cached
+    prompt_queries: list[bool] = field(default_factory=list)
 
 
 class Platform:
@@ -328,6 +332,7 @@ class Platform:
         """
         heads, dim = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
+        prompt = meta.prompt_queries or [False] * meta.num_seqs
         single = self._single_token_rows(q, k_cache, meta)
         if single is not None:  # one query token each: all of them in one kernel call (cpu_attention)
             rows, seqs, ctx_lens = single
@@ -341,23 +346,26 @@ class Platform:
                 single = None
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            if n == 1 and single is not None:  # done above
+            if n == 1 and not prompt[i] and single is not None:  # done above
                 start += n
                 continue
             out[start : start + n] = self._one_sequence(q[start : start + n], k_cache, v_cache,
-                                                        meta.gather_index[i, :ctx], scale)
+                                                        meta.gather_index[i, :ctx], scale, prompt[i])
             start += n
         return out.reshape(q.shape[0], heads, dim)
 
     def _one_sequence(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """Attention of one sequence's ``n`` newest tokens ``q [n, H, D]`` over its context (cache ``slots``, in
         order): row ``r`` sits at position ``ctx - n + r`` and sees keys ``0 .. ctx - n + r``. On a CPU with the
-        attention kernels, prompt rows go through :func:`cpu_attention.prompt_attention` (in place over the cache,
-        only the visible keys); otherwise torch's attention over the gathered context with a causal mask."""
+        attention kernels, prompt tokens (``prompt``, or any query of several tokens) go through
+        :func:`cpu_attention.prompt_attention` (in place over the cache, only the visible keys), one token alone
+        too: a prompt row gets the same bits however its prompt was chunked; otherwise torch's attention over the
+        gathered context with a causal mask."""
         n, ctx = q.shape[0], slots.shape[0]
-        if n > 1 and self.device_type == "cpu" and type(k_cache) is torch.Tensor and k_cache.dim() == 3 \
+        if (n > 1 or prompt) and self.device_type == "cpu" and type(k_cache) is torch.Tensor and k_cache.dim() == 3 \
                 and q.dtype == torch.float32 and cpu_attention.enabled():
             got = cpu_attention.prompt_attention(q, k_cache, v_cache, slots, scale)
             if got is not None:
@@ -387,7 +395,8 @@ class Platform:
             return None
         if "single_token_rows" not in meta.extra:
             lens = meta.query_lens
-            seqs = [i for i, n in enumerate(lens) if n == 1]
+            prompt = meta.prompt_queries or [False] * len(lens)
+            seqs = [i for i, n in enumerate(lens) if n == 1 and not prompt[i]]  # generated tokens (decode rows)
             entry = None
             if len(seqs) == len(lens):
                 entry = (None, None, torch.tensor(meta.context_lens, dtype=torch.long))

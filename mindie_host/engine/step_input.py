@@ -3,7 +3,8 @@
 
 Each planned sequence brings its next ``n`` uncomputed tokens as one query over its block table; the rows
 whose logits the step reads are those that complete the sequence (sampled), or every row of a prompt chunk
-whose prompt logprobs are asked for. A sequence with drafts brings its last token and the drafts, each as
+whose prompt logprobs are asked for. Generated tokens computed again (a sequence preempted by recompute) come as
+one-token decode rows after its prompt's query, so each gets the bits it got when it was generated. A sequence with drafts brings its last token and the drafts, each as
 a one-token decode row of its own (a query of one at its position, over the sequence's block table, with
 the context up to it): the backend computes every such row as it computes a plain decode row there.
 """
@@ -66,13 +67,19 @@ def build_step_input(plan: StepPlan, drafts: dict[int, Drafts], kv: KVCacheManag
         if seq.request.payload is not None:  # plugin-owned (e.g. images); the backend reads it
             payloads = payloads or []
             payloads.append(PayloadSlice(len(q_lens), flat0, start, n, seq.request.payload))
-        ids.extend(seq.token_ids[start : start + n])
-        positions.extend(range(start, start + n))
-        q_lens.append(n)
-        ctx_lens.append(start + n)
-        tables.append(kv.block_table(seq))
-        variants.append(seq.variant)
-        prompt_lens.append(seq.prompt_len)
+        # the prompt tokens as one query; generated tokens computed again (after a preemption that freed their
+        # blocks) each as a one-token decode row, as they were computed the first time
+        table = kv.block_table(seq)
+        prompt_part = max(0, min(n, seq.prompt_len - start))
+        for begin, size in ([(start, prompt_part)] if prompt_part else []) + [
+                (p, 1) for p in range(start + prompt_part, start + n)]:
+            ids.extend(seq.token_ids[begin : begin + size])
+            positions.extend(range(begin, begin + size))
+            q_lens.append(size)
+            ctx_lens.append(begin + size)
+            tables.append(table)
+            variants.append(seq.variant)
+            prompt_lens.append(seq.prompt_len)
         want_prompt = seq.request.sampling.prompt_logprobs is not None and start < seq.prompt_len
         completes = start + n == seq.num_tokens
         if want_prompt:

@@ -267,6 +267,7 @@ class DecoderModel:
             max_context_len=max_ctx,
             query_lens=batch.query_lens,
             context_lens=batch.context_lens,
+            prompt_queries=batch.prompt_queries(),
         )
 
     # -- forward -------------------------------------------------------------------------
@@ -292,9 +293,9 @@ class DecoderModel:
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         tables = self.dynamic_rope(batch) if rope is None else {key: rope for key in self.ropes}
-        # every sequence brings one token on the base model: the steps graphs and torch.compile serve
+        # every sequence brings one generated token on the base model: the steps graphs and torch.compile serve
         plain_decode = (deltas is None and tables is None and embeds is None and meta.max_query_len == 1
-                        and meta.pad_index is None and meta.attn_mask is not None)
+                        and meta.pad_index is None and meta.attn_mask is not None and not any(meta.prompt_queries))
         if (
             plain_decode
             and self.graphs is not None
@@ -310,7 +311,8 @@ class DecoderModel:
             self.compiled_steps += 1
             hidden = self._call_compiled(compiled, ids, pos, idx, meta, kv_caches)
         else:
-            prompt_rows = PromptRows.of(pos, batch.query_lens, batch.prompt_lens) if meta.max_query_len > 1 else None
+            # a prompt token takes the prompt rows' arithmetic even alone (the last token of a cached prefix)
+            prompt_rows = PromptRows.of(pos, batch.query_lens, batch.prompt_lens) if any(meta.prompt_queries) else None
             hidden = self.run(ids, pos, idx, meta, kv_caches, deltas, tables, embeds, prompt_rows)
         # the LM head stays eager: its best kernel depends on the row count (bench/PERF.md)
         return self.logits(hidden)
