@@ -300,7 +300,7 @@ SYSTEMS = {"mindie": start_mindie, "mindie-defaults": start_mindie_defaults, "ll
 #: systems measured in this process rather than over HTTP
 OFFLINE = {"hf-generate": run_hf_generate}
 LABELS = {"mindie": "mindie-host", "mindie-defaults": "mindie-host (built-in defaults)",
-          "llama": "llama.cpp llama-server (Q4_1, -np = conc)", "transformers": "transformers serve --continuous-batching",
+          "llama": "llama.cpp llama-server (the same GGUF, -np = conc)", "transformers": "transformers serve --continuous-batching",
           "hf-generate": "HF transformers generate (static batches)"}
 #: the first of these that ran is what the ratio column compares against
 REFERENCES = ("llama", "transformers", "hf-generate")

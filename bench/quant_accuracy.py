@@ -13,7 +13,8 @@ Variants: fp32 (``quantization: none``, the reference), ``auto`` (the GGUF file'
 4/8-bit path, with prompt rows in bfloat16 as served by default, and with them through the low-bit
 kernel too), w8a16 and w8a8 quantized at load (no calibration), w8a16 and w8a8 checkpoints
 written by ``mindie-host quantize`` (w8a8 calibrated and smoothed), and ``kvCacheDtype: int8``, and
-the GGUF path with a bf16 KV cache (the benchmark config: prompt attention with bf16 products).
+the GGUF path with a bf16 KV cache (the benchmark config: prompt attention with bf16 products), and an accuracy
+study of int8 activations for prompt rows (llama.cpp's q8_0 rounding, emulated in float32).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mindie_host.backends.base import ModelInput
 from mindie_host.backends.platform import Platform
@@ -56,9 +58,20 @@ def eval_text() -> str:
 def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> list[torch.Tensor]:
     """Float32 logits at every position of every chunk (each chunk one prefill, its rows marked as prompt tokens).
 
-    ``env`` in ``backend_kw`` sets environment variables while the model loads (its weight formats are chosen then).
+    ``env`` in ``backend_kw`` sets environment variables while the model loads (its weight formats are chosen then);
+    ``emulate_int8_prompts`` rounds the prompt rows' activations as :func:`q8_activations` does before each product
+    with a bfloat16 prompt copy (an accuracy study: no kernel computes that yet).
     """
     env = backend_kw.pop("env", {})
+    if backend_kw.pop("emulate_int8_prompts", False):
+        from mindie_host.backends import linear
+
+        saved_product = linear.prompt_product
+        linear.prompt_product = lambda x, w: F.linear(q8_activations(x), w.float()).to(torch.bfloat16)
+        try:
+            return run_logits(path, chunks, **backend_kw, env=env)
+        finally:
+            linear.prompt_product = saved_product
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -84,6 +97,15 @@ def run_logits(path: str | Path, chunks: list[list[int]], **backend_kw: Any) -> 
         )).float())
     backend.shutdown()
     return out
+
+
+def q8_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``x`` rounded as llama.cpp's q8_0 rounds the activations of its integer products: per row and group of
+    ``group`` values, a scale ``max|x| / 127`` and codes ``round(x / scale)``; returned as ``codes * scale``."""
+    xs = x.float().reshape(x.shape[0], -1, group)
+    scale = xs.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(xs * inverse).clamp(-127, 127) * scale).reshape(x.shape)
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor], chunks: list[list[int]]) -> dict[str, float]:
@@ -137,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                  {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_BF16": "0"}}),
                 ("GGUF path with a bf16 KV cache (bench/configs/peers.json)", model,
                  {"quantization": "auto", "kv_cache_dtype": "bfloat16"}),
+                ("GGUF path, prompt rows' activations rounded to int8 per group of 32 (emulated, llama.cpp's q8_0)",
+                 model, {"quantization": "auto", "emulate_int8_prompts": True}),
             ]
         for label, path, kw in variants:
             if args.only and args.only not in label:
