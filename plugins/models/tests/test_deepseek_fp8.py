@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_cases import served_with_logprobs
 from safetensors.torch import load_file, save_file
 
-from conftest import served_with_logprobs
 from mindie_host.testing import server_config
 
 BLOCK = 32

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from family_cases import served_with_logprobs
 
-from conftest import served_with_logprobs
 from mindie_host.testing import load_host, server_config
 
 PROMPTS = [[300 + 7 * i for i in range(n)] for n in (9, 23, 17)]

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from family_cases import DENSE_FAMILIES, PLUGIN_FAMILIES
 
-from conftest import DENSE_FAMILIES, PLUGIN_FAMILIES
 from mindie_host.api import EngineRequest, ModelInput, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from family_cases import SPECS, prompts, randomize_zero_biases
 
-from conftest import SPECS, prompts, randomize_zero_biases
 from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import (
     convert_to_gguf,

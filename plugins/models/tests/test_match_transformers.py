@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from family_cases import SPECS, one_thread, prompts
 
-from conftest import SPECS, one_thread, prompts
 from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.testing import loaded_host, run_engine, server_config
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_cases import SHAPE
 from mindie_plugin_multi_lora.adapters import AdapterError, ModelDims, load_adapter
 
-from conftest import SHAPE
 from mindie_host.api import PluginError
 from mindie_host.testing import load_host, make_tiny_model, server_config
 

@@ -14,8 +14,8 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from family_cases import one_thread
 
-from conftest import one_thread
 from mindie_host.testing import RunningServer, server_config
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
