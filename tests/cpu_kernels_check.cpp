@@ -145,7 +145,7 @@ uint16_t to_half(float f) {
 void check_lowbit(const mh_kernels* k, bool int4) {
   if (k->lowbit_activation != 0) return;  // bfloat16 activations: the avx512 variant, not built here
   std::mt19937 rng(int4 ? 11 : 13);
-  const int64_t N = 40, K = 288, gs = 32, NT = 2, G = K / gs, P = K / 2, M = 7;  // K: two of the buffer's blocks
+  const int64_t N = 40, K = 288, gs = 32, NT = 2, G = K / gs, P = K / 2, M = 7;  // K: three of the buffer's blocks
   std::vector<uint8_t> codes(NT * P * (int4 ? 32 : 64), 0);
   std::vector<float> scale(NT * G * 32, 0.f), offset(NT * G * 32, 0.f), w(N * K);
   for (int64_t n = 0; n < N; ++n)

@@ -7,7 +7,7 @@ codes are exact in bfloat16), float32 activations on the avx2 and portable ones.
 (rtol 1e-5: float32 sums in another order), and carry the same bits alone or among other rows,
 whatever the row count (each variant's paths: one or two rows in registers, up to six, more through
 a buffer): batch-invariant decoding relies on it. Shapes cover ragged tiles (100, 17 columns) and
-blocks of k (576 = 256 + 256 + 64). The model-level checks (the same greedy tokens alone and in a
+blocks of k (576 = 4 x 128 + 64). The model-level checks (the same greedy tokens alone and in a
 batch) are in tests/test_batch_invariance.py.
 """
 
@@ -58,7 +58,7 @@ def test_eight_bit_groups_match_the_codes_times_their_scale(cpu_variant: object)
     torch.testing.assert_close(low.small_product(x), x.to(low.act_dtype).float() @ w.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 7, 64])
+@pytest.mark.parametrize("rows", [2, 3, 5, 7, 64, 96])  # 96: x over 512 KB, the buffer's prompt-sized order
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant: object, rows: int, bits: int) -> None:
     if bits == 4:
@@ -68,7 +68,7 @@ def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant:
         codes = torch.randint(-127, 128, (300, 1536), generator=g, dtype=torch.int8)
         weight = Int8Weight(EightBitGroups(codes.numpy(), (torch.rand(300, 1536 // 32, generator=g) * 0.01).numpy()),
                             None)
-    x = torch.randn(64, 1536, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(96, 1536, generator=torch.Generator().manual_seed(4))
     together = weight.small_product(x[:rows])
     alone = torch.cat([weight.small_product(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, alone)

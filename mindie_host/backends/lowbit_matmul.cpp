@@ -19,9 +19,10 @@
 // exactly as the file means it (code * scale + offset, one fused rounding with FMA), and each output is one chain
 // of multiply-adds over k in order. Products of one or two rows dequantize in registers as the codes stream by (the
 // weights are read once, in their low-bit form); more rows dequantize a tile's block of k once into a small
-// buffer that every block of three (or two) rows then streams over (an FMA-bound micro-kernel): the same values in
-// the same order, so the same bits. The neon variant (opt-in) is the avx2 arithmetic with 4-lane NEON fused
-// multiply-adds, the same bits as avx2. The portable variant is the same arithmetic in plain C++ (multiply, then add).
+// buffer that every block of up to six rows then streams over (an FMA-bound micro-kernel), tile after tile so that
+// the codes stream in order: the same values in the same order, so the same bits. The neon variant (opt-in) is the
+// avx2 arithmetic with 4-lane NEON fused multiply-adds, the same bits as avx2. The portable variant is the same
+// arithmetic in plain C++ (multiply, then add).
 //
 // Derived offsets: a null ``offset`` (the binding passes one for an empty offset tensor) means every group's offset
 // is -8 * scale for 4-bit codes (GGUF Q4_0's) and 0 for 8-bit ones; inside, the offset pointer is then the scale
@@ -290,8 +291,15 @@ void lowbit_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* cp, in
 
 #else  // avx2 and portable: float32 activations, weights dequantized exactly
 
-constexpr int64_t kBlockK = 256;  // k per block of the buffered path: a tile's block is 32 KB of float32
-constexpr int kRows = 3;          // rows per micro-kernel call
+// k per block of the buffered path: a tile's block is 16 KB of float32 (in L1 with x) a tile at a time, 32 KB in the
+// prompt rows' order (see tiles_buffered; 128 there was 5-8% slower at 96-256 rows)
+constexpr int64_t kBlockK = 128, kPromptBlockK = 256;
+// How far ahead of the pair it dequantizes the buffered path asks for a tile's codes (two blocks: 8 KB of 8-bit
+// codes, 4 KB of 4-bit ones), so that they arrive while a block's rows are multiplied instead of stalling its
+// dequantizing (with the hardware's stream prefetchers alone, 3 rows of a head took 1.16-1.19x as long)
+constexpr int64_t kPrefetchPairs = 128;
+// Up to how many bytes of x the buffered path takes a tile at a time (see tiles_buffered): 16 rows of 8192, 64 of 2048
+constexpr int64_t kByTileBytes = 512 * 1024;
 
 #if defined(MH_AVX2)
 // Columns c8 * 8 .. c8 * 8 + 7 of pair p of a tile, dequantized: k = 2p into lo, k = 2p + 1 into hi.
@@ -447,15 +455,24 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 }
 #endif  // MH_NEON
 
-// Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major).
+// Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major), with the tile's codes
+// kPrefetchPairs ahead asked for when ``prefetch`` (the tile's next blocks are the next codes read).
 template <bool INT4, typename Sc>
 inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc* scale, const Sc* offset,
-                          int64_t PG, float* buf) {
+                          int64_t PG, float* buf, bool prefetch) {
+  int64_t g = p0 / PG, g_end = (g + 1) * PG;  // the group of pair p, stepped (no division a pair)
   for (int64_t p = p0; p < p1; ++p) {
-    const Sc* s = scale + (p / PG) * kTile;
-    const Sc* o = offset + (p / PG) * kTile;
+    if (p == g_end) {
+      ++g;
+      g_end += PG;
+    }
+    const Sc* s = scale + g * kTile;
+    const Sc* o = offset + g * kTile;
     float* lo = buf + (2 * (p - p0)) * kTile;
     float* hi = lo + kTile;
+    // a cache line of codes (a pair of 8-bit ones, two pairs of 4-bit ones) kPrefetchPairs ahead
+    if (prefetch && (!INT4 || p % 2 == 0))
+      __builtin_prefetch(tile + (p + kPrefetchPairs) * (INT4 ? kTile : 2 * kTile));
 #if defined(MH_AVX2)
     for (int c8 = 0; c8 < 4; ++c8) {
       __m256 a, b;
@@ -494,88 +511,131 @@ inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc*
   }
 }
 
-// acc[r][0 .. 32) (ldc apart, at c) += x[r][k] * w[k][0 .. 32) over the block's k in order, for MR rows (ldx apart);
-// the accumulators start at zero on the first block.
-template <int MR>
+// acc[r][0 .. COLS) (ldc apart, at c) += x[r][k] * w[k][0 .. COLS) over the block's k in order, for MR rows (ldx
+// apart), w's rows kTile apart (COLS 32: a tile's block; 16: half of it); the accumulators start at zero on the first
+// block.
+template <int MR, int COLS = kTile>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc, bool first) {
 #if defined(MH_AVX2)
-  __m256 acc[MR][4];
+  constexpr int Q = COLS / 8;
+  __m256 acc[MR][Q];
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < 4; ++q) acc[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + q * 8);
+    for (int q = 0; q < Q; ++q) acc[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + q * 8);
   for (int64_t k = 0; k < kc; ++k) {
-    __m256 xb[MR];
-    for (int r = 0; r < MR; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
-    for (int q = 0; q < 4; ++q) {
-      const __m256 wq = _mm256_loadu_ps(w + k * kTile + q * 8);
-      for (int r = 0; r < MR; ++r) acc[r][q] = _mm256_fmadd_ps(xb[r], wq, acc[r][q]);
+    if constexpr (Q == 4) {  // the rows' broadcasts, then each weight vector in turn (16 registers at three rows)
+      __m256 xb[MR];
+      for (int r = 0; r < MR; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+      for (int q = 0; q < Q; ++q) {
+        const __m256 wq = _mm256_loadu_ps(w + k * kTile + q * 8);
+        for (int r = 0; r < MR; ++r) acc[r][q] = _mm256_fmadd_ps(xb[r], wq, acc[r][q]);
+      }
+    } else {  // the weight vectors, then each row's broadcast in turn (15 registers at six rows)
+      __m256 wq[Q];
+      for (int q = 0; q < Q; ++q) wq[q] = _mm256_loadu_ps(w + k * kTile + q * 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_fmadd_ps(xb, wq[q], acc[r][q]);
+      }
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(c + r * ldc + q * 8, acc[r][q]);
+    for (int q = 0; q < Q; ++q) _mm256_storeu_ps(c + r * ldc + q * 8, acc[r][q]);
 #elif defined(MH_NEON)
-  float32x4_t acc[MR][8];
+  constexpr int Q = COLS / 4;
+  float32x4_t acc[MR][Q];
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < 8; ++q) acc[r][q] = first ? vdupq_n_f32(0.f) : vld1q_f32(c + r * ldc + q * 4);
+    for (int q = 0; q < Q; ++q) acc[r][q] = first ? vdupq_n_f32(0.f) : vld1q_f32(c + r * ldc + q * 4);
   for (int64_t k = 0; k < kc; ++k) {
     float32x4_t xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = vdupq_n_f32(x[r * ldx + k]);
-    for (int q = 0; q < 8; ++q) {
+    for (int q = 0; q < Q; ++q) {
       const float32x4_t wq = vld1q_f32(w + k * kTile + q * 4);
       for (int r = 0; r < MR; ++r) acc[r][q] = vfmaq_f32(acc[r][q], xb[r], wq);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < 8; ++q) vst1q_f32(c + r * ldc + q * 4, acc[r][q]);
+    for (int q = 0; q < Q; ++q) vst1q_f32(c + r * ldc + q * 4, acc[r][q]);
 #else
   for (int r = 0; r < MR; ++r) {
-    float acc[kTile];
-    for (int j = 0; j < kTile; ++j) acc[j] = first ? 0.f : c[r * ldc + j];
+    float acc[COLS];
+    for (int j = 0; j < COLS; ++j) acc[j] = first ? 0.f : c[r * ldc + j];
     for (int64_t k = 0; k < kc; ++k) {
       const float xv = x[r * ldx + k];
-      for (int j = 0; j < kTile; ++j) acc[j] += xv * w[k * kTile + j];
+      for (int j = 0; j < COLS; ++j) acc[j] += xv * w[k * kTile + j];
     }
-    for (int j = 0; j < kTile; ++j) c[r * ldc + j] = acc[j];
+    for (int j = 0; j < COLS; ++j) c[r * ldc + j] = acc[j];
   }
 #endif
 }
 
-// Tiles t0 .. t1 for all M rows through the buffer: blocks of k outermost (a block of x stays in cache across
-// the tiles), each tile's block dequantized once, then the rows over it three (or two) at a time. A tile that runs
-// past N keeps its accumulators in ``ragged`` ([M][32]) instead of the output.
+// MR rows over a tile's block: up to three rows over all 32 columns (4 * MR accumulators), four to six over each half
+// of them in turn (2 * MR): either way at most 12 accumulators in the 16 registers, and enough independent chains
+// for the multiply-add latency from four rows on.
+template <int MR>
+inline void micro_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc, bool first) {
+  if constexpr (MR <= 3) {
+    micro<MR>(x, ldx, w, kc, c, ldc, first);
+  } else {
+    micro<MR, 16>(x, ldx, w, kc, c, ldc, first);
+    micro<MR, 16>(x, ldx, w + 16, kc, c + 16, ldc, first);
+  }
+}
+
+// The block of k from kb (``block`` long) of tile t for all M rows: dequantized into wbuf once, then the rows over it
+// in blocks of up to six.
+template <bool INT4, typename Sc>
+inline void tile_block(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const Sc* sp,
+                       const Sc* op, int64_t G, int64_t PG, int64_t t, int64_t kb, float* out, int64_t N, float* wbuf,
+                       float* ragged, bool prefetch, int64_t block) {
+  const int64_t kc = std::min<int64_t>(block, K - kb);
+  dequant_block<INT4>(cp + t * tile_bytes, kb / 2, (kb + kc) / 2, sp + t * G * kTile, op + t * G * kTile, PG, wbuf,
+                      prefetch);
+  const bool whole = (t + 1) * kTile <= N;
+  float* c = whole ? out + t * kTile : ragged;
+  const int64_t ldc = whole ? N : kTile;
+  // the rows in blocks of six, the last ones in one or two blocks of at least three (7 = 4 + 3, 8 = 4 + 4): a lone
+  // row's chains wait on the multiply-add latency, so rows left over one at a time made five rows slower than nine
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m, rows = left <= 6 ? left : left <= 8 ? 4 : 6;
+    const float* xm = x + m * K + kb;
+    float* cm = c + m * ldc;
+    switch (rows) {
+      case 1: micro_rows<1>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+      case 2: micro_rows<2>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+      case 3: micro_rows<3>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+      case 4: micro_rows<4>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+      case 5: micro_rows<5>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+      default: micro_rows<6>(xm, K, wbuf, kc, cm, ldc, kb == 0); break;
+    }
+    m += rows;
+  }
+}
+
+// Tiles t0 .. t1 for all M rows through the buffer: each block of k of a tile dequantized once, then the rows over it
+// in blocks of up to six (micro_rows), their accumulators kept in the output between blocks (tile_block).
+// Decode-sized products (the rows' x within kByTileBytes) take a tile at a time, so that its codes stream in order
+// as in the in-register paths, prefetched ahead (a block of k over every tile, the codes read 4-8 KB from one tile
+// then from the next, stalled on them: 3 rows of a head took 1.6x as long); larger ones (prompt rows) take a block of
+// k over all the tiles, so the rows' block of x stays in cache across them. A tile that runs past N keeps its
+// accumulators in ``ragged`` ([M][32]) instead of the output.
 template <bool INT4, typename Sc>
 void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const Sc* sp,
                     const Sc* op, int64_t G, int64_t PG, int64_t t0, int64_t t1, float* out, int64_t N,
                     std::vector<float>& wbuf, std::vector<float>& ragged) {
-  wbuf.resize(kBlockK * kTile);
-  for (int64_t kb = 0; kb < K; kb += kBlockK) {
-    const int64_t kc = std::min<int64_t>(kBlockK, K - kb);
-    for (int64_t t = t0; t < t1; ++t) {
-      dequant_block<INT4>(cp + t * tile_bytes, kb / 2, (kb + kc) / 2, sp + t * G * kTile, op + t * G * kTile, PG,
-                          wbuf.data());
-      const bool whole = (t + 1) * kTile <= N;
-      if (!whole) ragged.resize(M * kTile);
-      float* c = whole ? out + t * kTile : ragged.data();
-      const int64_t ldc = whole ? N : kTile;
-      // three rows at a time, ending with one or two pairs when three does not divide M: a lone row's four
-      // accumulator chains wait on the multiply-add latency, so rows left over one at a time made five rows
-      // slower than nine
-      for (int64_t m = 0; m < M;) {
-        const int64_t left = M - m;
-        float* cm = c + m * ldc;
-        if (left == 1) {
-          micro<1>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
-          m += 1;
-        } else if (left == 2 || left == 4) {
-          micro<2>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
-          m += 2;
-        } else {
-          micro<kRows>(x + m * K + kb, K, wbuf.data(), kc, cm, ldc, kb == 0);
-          m += kRows;
-        }
-      }
-    }
+  wbuf.resize(kPromptBlockK * kTile);
+  if (t1 * kTile > N) ragged.resize(M * kTile);
+  if (M * K * static_cast<int64_t>(sizeof(float)) <= kByTileBytes) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t kb = 0; kb < K; kb += kBlockK)
+        tile_block<INT4>(x, M, K, cp, tile_bytes, sp, op, G, PG, t, kb, out, N, wbuf.data(), ragged.data(), true,
+                         kBlockK);
+  } else {
+    for (int64_t kb = 0; kb < K; kb += kPromptBlockK)
+      for (int64_t t = t0; t < t1; ++t)
+        tile_block<INT4>(x, M, K, cp, tile_bytes, sp, op, G, PG, t, kb, out, N, wbuf.data(), ragged.data(), false,
+                         kPromptBlockK);
   }
-  if ((t1)*kTile > N) {  // the last tile's columns that exist
+  if (t1 * kTile > N) {  // the last tile's columns that exist
     const int64_t c0 = (t1 - 1) * kTile;
     for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + c0, ragged.data() + m * kTile, (N - c0) * sizeof(float));
   }
