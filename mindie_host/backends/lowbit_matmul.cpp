@@ -455,10 +455,16 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 }
 #endif  // MH_NEON
 
+// The buffered path's inlining is fixed rather than left to the compiler's heuristics, which changed with unrelated
+// edits: builds that kept micro out of line ran 1.45-1.8x as long at 3-6 rows, and one that inlined tile_block into
+// both loop orders 1.07-1.17x as long at 3 rows of a small matrix held in cache (qkv 2048 -> 3072 Q4_0).
+#define MH_ALWAYS_INLINE inline __attribute__((always_inline))
+#define MH_NOINLINE __attribute__((noinline))
+
 // Pairs p0 .. p1 of one tile dequantized into buf ([2 * (p1 - p0)][32] float32, k-major), with the tile's codes
 // kPrefetchPairs ahead asked for when ``prefetch`` (the tile's next blocks are the next codes read).
 template <bool INT4, typename Sc>
-inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc* scale, const Sc* offset,
+MH_ALWAYS_INLINE void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc* scale, const Sc* offset,
                           int64_t PG, float* buf, bool prefetch) {
   int64_t g = p0 / PG, g_end = (g + 1) * PG;  // the group of pair p, stepped (no division a pair)
   for (int64_t p = p0; p < p1; ++p) {
@@ -515,7 +521,8 @@ inline void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc*
 // apart), w's rows kTile apart (COLS 32: a tile's block; 16: half of it); the accumulators start at zero on the first
 // block.
 template <int MR, int COLS = kTile>
-inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc, bool first) {
+MH_ALWAYS_INLINE void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc,
+                            bool first) {
 #if defined(MH_AVX2)
   constexpr int Q = COLS / 8;
   __m256 acc[MR][Q];
@@ -572,7 +579,8 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
 // of them in turn (2 * MR): either way at most 12 accumulators in the 16 registers, and enough independent chains
 // for the multiply-add latency from four rows on.
 template <int MR>
-inline void micro_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc, bool first) {
+MH_ALWAYS_INLINE void micro_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc,
+                                 bool first) {
   if constexpr (MR <= 3) {
     micro<MR>(x, ldx, w, kc, c, ldc, first);
   } else {
@@ -584,7 +592,7 @@ inline void micro_rows(const float* x, int64_t ldx, const float* w, int64_t kc, 
 // The block of k from kb (``block`` long) of tile t for all M rows: dequantized into wbuf once, then the rows over it
 // in blocks of up to six.
 template <bool INT4, typename Sc>
-inline void tile_block(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const Sc* sp,
+MH_NOINLINE void tile_block(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t tile_bytes, const Sc* sp,
                        const Sc* op, int64_t G, int64_t PG, int64_t t, int64_t kb, float* out, int64_t N, float* wbuf,
                        float* ragged, bool prefetch, int64_t block) {
   const int64_t kc = std::min<int64_t>(block, K - kb);
