@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import sys
 import time
 
 import pytest
@@ -43,9 +44,21 @@ except (OSError, AttributeError):  # not glibc: nothing to tune
 
 
 def _trim() -> None:
+    _forget_fastapi_endpoints()
     gc.collect()
     if _libc is not None:
         _libc.malloc_trim(0)
+
+
+def _forget_fastapi_endpoints() -> None:
+    """FastAPI memoizes the kind of each endpoint callable in module-level ``lru_cache``s (4096 entries) that keep
+    the endpoint functions alive, and with them the host their closures hold: every in-process server a module
+    ran (its model, KV and swap space) outlived the module. Cleared when the heaps are trimmed."""
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cache_clear = getattr(getattr(models, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 @pytest.hookimpl(trylast=True)
