@@ -71,6 +71,10 @@ class AttentionMetadata:
     #: so its bits do not depend on how the prompt was chunked or cached
     prompt_queries: list[bool] = field(default_factory=list)
 
+    def is_prompt_query(self, i: int) -> bool:
+        """Whether sequence ``i``'s query is prompt tokens (see :attr:`prompt_queries`)."""
+        return bool(self.prompt_queries) and self.prompt_queries[i]
+
 
 class Platform:
     """CPU by default. Subclasses override the device facts and, optionally, the operators."""
@@ -332,7 +336,6 @@ class Platform:
         """
         heads, dim = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
-        prompt = meta.prompt_queries or [False] * meta.num_seqs
         single = self._single_token_rows(q, k_cache, meta)
         if single is not None:  # one query token each: all of them in one kernel call (cpu_attention)
             rows, seqs, ctx_lens = single
@@ -346,11 +349,12 @@ class Platform:
                 single = None
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            if n == 1 and not prompt[i] and single is not None:  # done above
+            prompt = meta.is_prompt_query(i)
+            if n == 1 and not prompt and single is not None:  # done above
                 start += n
                 continue
             out[start : start + n] = self._one_sequence(q[start : start + n], k_cache, v_cache,
-                                                        meta.gather_index[i, :ctx], scale, prompt[i])
+                                                        meta.gather_index[i, :ctx], scale, prompt)
             start += n
         return out.reshape(q.shape[0], heads, dim)
 
@@ -395,8 +399,7 @@ class Platform:
             return None
         if "single_token_rows" not in meta.extra:
             lens = meta.query_lens
-            prompt = meta.prompt_queries or [False] * len(lens)
-            seqs = [i for i, n in enumerate(lens) if n == 1 and not prompt[i]]  # generated tokens (decode rows)
+            seqs = [i for i, n in enumerate(lens) if n == 1 and not meta.is_prompt_query(i)]  # decode rows
             entry = None
             if len(seqs) == len(lens):
                 entry = (None, None, torch.tensor(meta.context_lens, dtype=torch.long))

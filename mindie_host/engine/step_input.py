@@ -4,9 +4,10 @@
 Each planned sequence brings its next ``n`` uncomputed tokens as one query over its block table; the rows
 whose logits the step reads are those that complete the sequence (sampled), or every row of a prompt chunk
 whose prompt logprobs are asked for. Generated tokens computed again (a sequence preempted by recompute) come as
-one-token decode rows after its prompt's query, so each gets the bits it got when it was generated. A sequence with drafts brings its last token and the drafts, each as
-a one-token decode row of its own (a query of one at its position, over the sequence's block table, with
-the context up to it): the backend computes every such row as it computes a plain decode row there.
+one-token decode rows after its prompt's query, so each gets the bits it got when it was generated. A sequence
+with drafts brings its last token and the drafts, each as a one-token decode row of its own (a query of one at
+its position, over the sequence's block table, with the context up to it): the backend computes every such row as
+it computes a plain decode row there.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def build_step_input(plan: StepPlan, drafts: dict[int, Drafts], kv: KVCacheManag
         # blocks) each as a one-token decode row, as they were computed the first time
         table = kv.block_table(seq)
         prompt_part = max(0, min(n, seq.prompt_len - start))
-        for begin, size in ([(start, prompt_part)] if prompt_part else []) + [
-                (p, 1) for p in range(start + prompt_part, start + n)]:
+        queries = [(start, prompt_part)] if prompt_part else []
+        queries += [(p, 1) for p in range(start + prompt_part, start + n)]
+        for begin, size in queries:
             ids.extend(seq.token_ids[begin : begin + size])
             positions.extend(range(begin, begin + size))
             q_lens.append(size)
