@@ -1,4 +1,4 @@
-"""Prompt tokens multiply in bfloat16, generated tokens through the low-bit kernel, per token (issue 24).
+"""Prompt tokens multiply in bfloat16 or int8, generated tokens through the low-bit kernel, per token (issues 24, 35).
 
 On the default model (GGUF, ``quantization: auto``, batch-invariant) a step that says which rows are
 prompt tokens (``ModelInput.prompt_lens``) multiplies those with each matrix's bfloat16 copy and the
@@ -6,14 +6,19 @@ generated rows with the file's low-bit form. The choice follows the token, never
 prompt's logits carry the same bits alone, beside other prompts, or beside decodes in a mixed step;
 and a decode row beside a prompt chunk gets the bits it gets alone. ``MINDIE_HOST_PROMPT_BF16=0``
 keeps the low-bit kernel for prompt rows; both stay close to the fp32 reference (``quantization:
-none``), which does not change.
+none``), which does not change. Every test runs in both prompt modes: bfloat16 copies (``MINDIE_HOST_PROMPT_INT8=0``)
+and int8 groups of 32 against the file's codes (``MINDIE_HOST_PROMPT_INT8=1``).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from mindie_host.backends import cpu_profile
 from mindie_host.backends.base import ModelInput
 from mindie_host.backends.linear import LowBitWeight, PromptRows
 from mindie_host.backends.platform import Platform
@@ -32,9 +37,28 @@ def load(quantization: str) -> TorchBackend:
     return backend
 
 
-@pytest.fixture(scope="module")
-def auto() -> TorchBackend:
-    return load("auto")
+#: the two kinds of prompt products: a bfloat16 copy of each low-bit matrix, or int8 groups against its codes
+PROMPT_MODES = {"bf16": "0", "int8": "1"}
+
+
+@pytest.fixture(scope="module", params=sorted(PROMPT_MODES))
+def auto(request: pytest.FixtureRequest) -> Iterator[TorchBackend]:
+    mode = request.param
+    if mode == "bf16" and not cpu_profile.profile().native_bf16:
+        pytest.skip("bfloat16 prompt copies need a CPU with native bfloat16")
+    if mode == "int8" and cpu_profile.profile().int8_products is None:
+        pytest.skip("int8 prompt rows need a CPU with native int8 products")
+    before = os.environ.get("MINDIE_HOST_PROMPT_INT8")
+    os.environ["MINDIE_HOST_PROMPT_INT8"] = PROMPT_MODES[mode]
+    try:
+        backend = load("auto")
+    finally:
+        if before is None:
+            del os.environ["MINDIE_HOST_PROMPT_INT8"]
+        else:
+            os.environ["MINDIE_HOST_PROMPT_INT8"] = before
+    backend.prompt_mode = mode  # type: ignore[attr-defined]
+    yield backend
 
 
 def prompts() -> list[list[int]]:
@@ -68,11 +92,15 @@ def test_prompt_rows_are_found_by_position() -> None:
     assert PromptRows.of(torch.tensor([0, 1]), [2], []) is None  # prompt lengths not known
 
 
-def test_low_bit_layers_keep_a_bf16_copy_for_prompts(auto: TorchBackend) -> None:
+def test_low_bit_layers_multiply_prompts_by_their_mode(auto: TorchBackend) -> None:
+    """bf16: each low-bit matrix keeps a bfloat16 copy for prompt rows; int8: none, its codes serve prompt rows."""
     assert auto.model is not None
     qkv = auto.model.layers[0].attn.qkv
     assert isinstance(qkv, LowBitWeight) and qkv.dense is None
-    assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16
+    if auto.prompt_mode == "bf16":  # type: ignore[attr-defined]
+        assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16 and not qkv.prompt_int8
+    else:
+        assert qkv.prompt_weight is None and qkv.prompt_int8
 
 
 def test_a_prompts_logits_do_not_depend_on_what_shares_its_step(auto: TorchBackend) -> None:
@@ -157,7 +185,7 @@ def test_generated_tokens_computed_again_as_decode_rows_get_their_first_bits(aut
         assert torch.equal(again[j], first[j])
 
 
-def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> None:
+def test_prompt_products_stay_close_to_the_fp32_reference(auto: TorchBackend) -> None:
     reference = load("none")
     want = prefill(reference, [0, 2, 3])
     bf16 = prefill(auto, [0, 2, 3])
@@ -172,3 +200,59 @@ def test_bf16_prompts_stay_close_to_the_fp32_reference(auto: TorchBackend) -> No
     for got in (bf16, low_bit):
         probs, ref = torch.softmax(got, -1), torch.softmax(want, -1)
         assert (probs - ref).abs().sum(-1).max() < 0.25  # total variation, both within the 4-bit file's error
+
+
+def test_int8_prompt_rows_are_opt_in_and_need_native_int8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off unless ``MINDIE_HOST_PROMPT_INT8=1``; 1 on a profile without native int8 products, or a value other than
+    0 and 1, is an error that names the variable (at load: a start-up error, never a silent fallback)."""
+    from mindie_host.backends.linear import prompt_int8_enabled
+
+    monkeypatch.delenv("MINDIE_HOST_PROMPT_INT8", raising=False)
+    assert not prompt_int8_enabled()
+    monkeypatch.setenv("MINDIE_HOST_PROMPT_INT8", "yes")
+    with pytest.raises(ValueError, match="MINDIE_HOST_PROMPT_INT8 must be 0 or 1"):
+        prompt_int8_enabled()
+    monkeypatch.setenv("MINDIE_HOST_PROMPT_INT8", "1")
+    monkeypatch.setenv(cpu_profile.ENV, "portable")
+    with pytest.raises(RuntimeError, match="no native int8 products"):
+        prompt_int8_enabled()
+    if cpu_profile.features().runs("avx2"):
+        monkeypatch.setenv(cpu_profile.ENV, "avx2")
+        assert prompt_int8_enabled()
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "int8_per_channel"])
+def test_the_int8_reference_is_the_product_of_the_quantized_rows(kind: str) -> None:
+    """``q8_rows_reference`` (what the kernels' ``lowbit_q8_rows`` must equal bit for bit) is the product of the
+    int8-rounded activations with the file's exact weights, to float32 rounding; the rounding itself stays within
+    half a step of each group's scale."""
+    from mindie_host.backends.cpu_matmul import LowBitTiles, q8_rows_reference, quantize_rows
+
+    gen = torch.Generator().manual_seed(7)
+    n, k = 70, 576
+    x = torch.randn(5, k, generator=gen)
+    x[:, 3] = 40.0  # an outlier channel, as RMSNorm outputs have
+    x[1, 64:96] = 0.0  # an all-zero group: scale 0, codes 0
+    scale = torch.rand(n, k // 32, generator=gen).half().float()
+    if kind in ("q4_0", "q4_1"):
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        offset = -8 * scale if kind == "q4_0" else torch.randn(n, k // 32, generator=gen).half().float()
+        tiles = LowBitTiles.four_bit(codes, scale, offset, 32)
+    elif kind == "q8_0":
+        tiles = LowBitTiles(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scale,
+                            torch.zeros_like(scale), 32)
+    else:
+        tiles = LowBitTiles.per_channel(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                                        torch.rand(n, generator=gen))
+    assert tiles.stored_offsets == (kind == "q4_1")
+    rows = quantize_rows(x)
+    groups = x.view(5, -1, 32)
+    assert rows.q.abs().max() <= 127 and torch.equal(rows.scale[1, 2], torch.tensor(0.0))
+    assert bool(((rows.q.view(5, -1, 32).float() * rows.scale[..., None] - groups).abs()
+                 <= rows.scale[..., None] / 2 * (1 + 1e-5)).all())
+    assert torch.equal(rows.qsum, rows.q.view(5, -1, 32).sum(-1, dtype=torch.int32))
+    exact = (rows.q.double().view(5, -1, 32) * rows.scale.double()[..., None]).view(5, k) @ tiles.dequantize().double().T
+    got = q8_rows_reference(rows, tiles).double()
+    assert ((got - exact).abs().max() / exact.abs().max()) < 1e-6
+    alone = q8_rows_reference(quantize_rows(x[2:3]), tiles)
+    assert torch.equal(alone[0], got[2].float())  # a row's bits do not depend on the other rows

@@ -26,9 +26,13 @@ import torch
 from . import cpu_extensions
 from .cpu_extensions import enabled
 
-__all__ = ["LowBitTiles", "activation_dtype", "enabled", "kernel", "loaded"]
+__all__ = ["Q8_GROUP", "LowBitTiles", "QuantizedRows", "activation_dtype", "enabled", "kernel", "loaded",
+           "quantize_rows"]
 
 TILE = 32  # output columns per tile (lowbit_matmul.cpp's kTile)
+
+#: inputs per group of int8 prompt rows (:func:`quantize_rows`): GGUF Q8_0's block, as llama.cpp quantizes activations
+Q8_GROUP = 32
 
 
 def kernel() -> Any:
@@ -39,6 +43,12 @@ def kernel() -> Any:
 def loaded() -> bool:
     """Whether the low-bit product is built and on (never builds it: safe while tracing)."""
     return cpu_extensions.active("lowbit_matmul") is not None
+
+
+def q8_rows_loaded() -> bool:
+    """Whether the active kernels have the int8 prompt-row product (``lowbit_q8_rows``; never builds them)."""
+    mod = cpu_extensions.active("lowbit_matmul")
+    return mod is not None and bool(getattr(mod, "has_q8_rows", False))
 
 
 def activation_dtype() -> torch.dtype:
@@ -168,9 +178,72 @@ class LowBitTiles:
             groups = groups + self.full_offset()[tile, :, col][..., None]
         return groups.view(ids.shape[0], -1)
 
+    @property
+    def stored_offsets(self) -> bool:
+        """Whether the groups' offsets are stored (GGUF Q4_1's ``m``), rather than what the kernel derives from the
+        scales (-8 * scale for 4-bit codes, 0 for 8-bit ones)."""
+        return bool(self.offset.numel())
+
+    def int_values(self) -> torch.Tensor:
+        """Each weight's integer value ``c`` as float32 ``[N, K]``: ``W = c * scale + offset`` with the offset term
+        left only where it is stored (:attr:`stored_offsets`): 4-bit codes minus 8 where the offsets are derived
+        (GGUF Q4_0), the codes otherwise (Q4_1's 0..15, int8 codes)."""
+        codes = self.groups()[0].float()
+        return codes - 8 if self.codes.dtype == torch.uint8 and not self.stored_offsets else codes
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight these tiles stand for (for tests)."""
         codes, scale, offset = self.groups()
         groups = codes.float().view(self.n, -1, self.group_size)
         return (groups * scale[..., None] + offset[..., None]).view(self.n, -1)
 
+
+
+class QuantizedRows:
+    """Rows of activations in int8 groups of :data:`Q8_GROUP`: ``x[m, k] ~ q[m, k] * scale[m, k // 32]``.
+
+    ``q`` int8 ``[M, K]`` in -127..127, ``scale`` float32 ``[M, K / 32]`` (each group's largest magnitude over 127),
+    ``qsum`` int32 ``[M, K / 32]`` (each group's sum of codes, for the weights' offsets).
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor) -> None:
+        self.q, self.scale, self.qsum = q, scale, qsum
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """``x [M, K]`` (K a multiple of :data:`Q8_GROUP`) as int8 groups: per row and group of 32, the scale
+    ``max|x| / 127`` and codes ``round(x * (1 / scale))`` (half to even; an all-zero group has scale 0 and codes 0).
+
+    Both the kernels and the reference multiply these same codes, so the rounding happens here once."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // Q8_GROUP, Q8_GROUP)
+    scale = groups.abs().amax(-1) / 127
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(groups * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedRows(q.reshape(m, k), scale, q.sum(-1, dtype=torch.int32))
+
+
+def q8_rows_reference(rows: QuantizedRows, tiles: LowBitTiles, values: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for int8 rows, in torch, with the bits of the kernels' ``lowbit_q8_rows``:
+
+    for each group g of 32 inputs in order, with ``w = g * 32 // group_size`` the weights' group,
+        ``isum = sum_k c[n, k] * q[m, k]``  (exact integers: c the weight's integer value, see :meth:`LowBitTiles.int_values`)
+        ``acc = acc + (scale[n, w] * xscale[m, g]) * isum``
+        and where the weights store offsets: ``acc = acc + (offset[n, w] * xscale[m, g]) * qsum[m, g]``
+    each product and sum rounded to float32 on its own (no fused multiply-add), ``acc`` starting at 0.
+    ``values`` is :meth:`LowBitTiles.int_values` when the caller keeps it."""
+    c = tiles.int_values() if values is None else values
+    _, scale, offset = tiles.groups()
+    m, k = rows.q.shape
+    q = rows.q.float()
+    acc = torch.zeros(m, tiles.n)
+    per = tiles.group_size // Q8_GROUP
+    stored = tiles.stored_offsets
+    for g in range(k // Q8_GROUP):
+        cols = slice(g * Q8_GROUP, (g + 1) * Q8_GROUP)
+        isum = q[:, cols] @ c[:, cols].T  # integers below 2**24 in magnitude: exact in float32, in any order
+        xs = rows.scale[:, g, None]
+        acc = acc + (scale[None, :, g // per] * xs) * isum
+        if stored:
+            acc = acc + (offset[None, :, g // per] * xs) * rows.qsum[:, g, None].float()
+    return acc

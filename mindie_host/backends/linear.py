@@ -98,10 +98,30 @@ class LazyDense:
         return self._value is not None
 
 
+def prompt_int8_enabled() -> bool:
+    """Whether prompt rows of low-bit matrices are multiplied in int8 groups of 32, as llama.cpp multiplies them
+    (``MINDIE_HOST_PROMPT_INT8=1``; off by default). Opt-in because the rounding of the activations to int8 changes
+    answers: the default model's greedy answer to the README's question goes from "The capital of France is
+    Paris." to the "L'Étoile, ..." of issue 35 (bench/PERF.md, "Int8 prompt rows"). Only where the CPU multiplies
+    int8 natively (VNNI, or AVX2's 8-bit multiply-add: :attr:`CpuProfile.int8_products`); 1 elsewhere is an error,
+    as is any value but 0 and 1."""
+    raw = os.environ.get("MINDIE_HOST_PROMPT_INT8", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"MINDIE_HOST_PROMPT_INT8 must be 0 or 1; got {raw!r}")
+    if raw != "1":
+        return False
+    prof = cpu_profile.profile()
+    if prof.int8_products is None:
+        raise RuntimeError(f"MINDIE_HOST_PROMPT_INT8=1: the {prof.isa} profile has no native int8 products "
+                           f"(allowed there: 0)")
+    return True
+
+
 def prompt_bf16_enabled() -> bool:
     """Whether a low-bit matrix multiplies prompt tokens in bfloat16: on CPUs with native bfloat16 (the avx512
     profile), unless ``MINDIE_HOST_PROMPT_BF16=0`` keeps the low-bit kernel for them too. See :class:`PromptRows`."""
-    return os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0" and cpu_profile.profile().native_bf16
+    return (os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0" and cpu_profile.profile().native_bf16
+            and not prompt_int8_enabled())
 
 
 class PromptRows:
@@ -278,7 +298,31 @@ class LowBitWeight:
         self.prompt_weight: torch.Tensor | None = None
         #: the dtype activations are rounded to (the CPU profile's: bfloat16 with native bf16, else float32)
         self.act_dtype = cpu_profile.profile().compute_dtype
+        #: batch-invariant mode: prompt rows in int8 groups (:meth:`int8_product`) instead of a bfloat16 copy
+        self.prompt_int8 = False
         self._dequantized: torch.Tensor | None = None
+        self._int_values: torch.Tensor | None = None
+
+    def use_int8_prompts(self) -> bool:
+        """Multiply prompt rows in int8 groups from now on, where this matrix allows it (low-bit tiles whose
+        groups are whole groups of :data:`~mindie_host.backends.cpu_matmul.Q8_GROUP` inputs); returns whether."""
+        tiles = self.tiles
+        self.prompt_int8 = (tiles is not None and tiles.group_size % cpu_matmul.Q8_GROUP == 0
+                            and self.shape[1] % cpu_matmul.Q8_GROUP == 0)
+        return self.prompt_int8
+
+    def int8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in float32 for prompt rows: ``x`` quantized per row and group of 32 to int8
+        (:func:`~mindie_host.backends.cpu_matmul.quantize_rows`), multiplied by the weights' exact integer codes
+        with integer sums, the scales applied per group; each row's bits do not depend on the others. The kernel
+        when it is on, else torch with the same bits (:func:`~mindie_host.backends.cpu_matmul.q8_rows_reference`)."""
+        assert self.tiles is not None
+        rows = cpu_matmul.quantize_rows(x)
+        if cpu_matmul.q8_rows_loaded():
+            return self.tiles.q8_rows(rows)
+        if self._int_values is None:
+            self._int_values = self.tiles.int_values()
+        return cpu_matmul.q8_rows_reference(rows, self.tiles, self._int_values)
 
     def keep_prompt_copy(self, weight: torch.Tensor) -> None:
         """Keep ``weight`` (the file's values, dense) in bfloat16 for the prompt rows of batch-invariant steps."""
@@ -308,7 +352,7 @@ class LowBitWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if self.dense is None:  # batch-invariant: one kernel per kind of token, at every row count
-            if prompt_rows is not None and self.prompt_weight is not None and x.dim() == 2:
+            if prompt_rows is not None and (self.prompt_weight is not None or self.prompt_int8) and x.dim() == 2:
                 out = self._by_kind(x, prompt_rows)
             else:
                 out = self.small_product(x.reshape(-1, x.shape[-1])).to(x.dtype)
@@ -320,16 +364,22 @@ class LowBitWeight:
         return out if bias is None else out + bias
 
 
-    def _by_kind(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
-        """Prompt rows through the bfloat16 copy, generated rows through the low-bit kernel."""
+    def _prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows' ``x @ W.T``: in int8 groups (:meth:`int8_product`) or through the bfloat16 copy."""
+        if self.prompt_int8:
+            return self.int8_product(x)
         assert self.prompt_weight is not None
+        return prompt_product(x, self.prompt_weight)
+
+    def _by_kind(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
+        """Prompt rows through :meth:`_prompt_product`, generated rows through the low-bit kernel."""
         if rows.all:
-            return prompt_product(x, self.prompt_weight).to(x.dtype)
+            return self._prompt_product(x).to(x.dtype)
         assert rows.prompt_rows is not None and rows.generated_rows is not None
-        out = x.new_empty(x.shape[0], self.prompt_weight.shape[0])
+        out = x.new_empty(x.shape[0], self.shape[0])
         # a row index (rows not in one run: a recomputed sequence's prompt and generated tokens between others)
         # assigns through index_put, which does not convert dtypes as a slice's copy does
-        out[rows.prompt_rows] = prompt_product(x[rows.prompt_rows], self.prompt_weight).to(out.dtype)
+        out[rows.prompt_rows] = self._prompt_product(x[rows.prompt_rows]).to(out.dtype)
         out[rows.generated_rows] = self.small_product(x[rows.generated_rows]).to(out.dtype)
         return out
 

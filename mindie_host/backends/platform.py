@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.weights import EightBitGroups
-from . import cpu_attention, cpu_layer_ops, cpu_matmul
+from . import cpu_attention, cpu_layer_ops, cpu_matmul, cpu_profile
 from .cpu_attention import decode_attention
 from .int8 import Int8Matrix, prepare_int8_weight
 from .linear import (
@@ -37,6 +37,7 @@ from .linear import (
     mkl_packing_available,
     prompt_bf16_enabled,
     prompt_copy_budget,
+    prompt_int8_enabled,
 )
 
 log = logging.getLogger("mindie_host.backends.platform")
@@ -142,6 +143,11 @@ class Platform:
             self.prompt_copies = True
             return
         budget = prompt_copy_budget()
+        if prompt_int8_enabled():
+            self.prompt_copies = False
+            log.info("low-bit matrices: prompt rows in int8 groups of 32 (%s), weights kept only in the file's "
+                     "low-bit form", cpu_profile.profile().int8_products)
+            return
         if not prompt_bf16_enabled():
             self.prompt_copies = False
             log.info("low-bit matrices: prompt rows through the low-bit kernel (no bfloat16 copies on this CPU "
@@ -184,6 +190,10 @@ class Platform:
             return PackedWeight(dense()) if mkl_packing_available() else dense()
         prompt_copy = prompt_bf16_enabled() and self.prompt_copies
         if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
+            if prompt_int8_enabled():  # int8 prompt rows: the low-bit form serves every row, kernel on or off
+                low = Int8Weight(stored, None) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, None)
+                if low.use_int8_prompts():
+                    return low
             if not cpu_matmul.loaded():
                 if not prompt_copy:
                     return PackedWeight(dense()) if mkl_packing_available() else dense()
