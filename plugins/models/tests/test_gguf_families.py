@@ -226,3 +226,54 @@ def test_chatglm_files_the_glm_family_cannot_read_are_refused_by_what_they_hold(
 
     with pytest.raises(ModelLoadError, match=says):
         loaded_host(server_config(chatglm_file(tmp_path / "chatglm.gguf", fused=fused), model={"dtype": "float32"}))
+
+
+def test_a_windowed_tokens_bits_do_not_depend_on_its_step(gguf_models: dict[str, tuple[Path, Path, Path]]) -> None:
+    """Gemma 3's Q8_0 file (sliding layers with a window of 16, and a global one) in batch-invariant mode: a token's
+    logits carry the same bits however its prompt was chunked, how much of it a prefix cache held, and whatever
+    shares its step, past the window as before it; so do the decode steps after it. (Steps whose window hides keys
+    run torch's banded attention; one-token steps, the windowed decode path: both must agree with the whole
+    prompt's rows.)"""
+    hf, _, q8 = gguf_models["gemma3_text"]
+    with hosted(q8) as host:  # the models plugin registers the family; its backend is then stepped by hand
+        backend = host.backend
+        assert backend.family.name == "gemma3"
+        backend.allocate_kv_cache(64, 16)  # a pool of its own: 16-token blocks, 8 a sequence
+        check_windowed_steps(backend, hf)
+
+
+def check_windowed_steps(backend: Any, hf: Path) -> None:
+    """The steps of :func:`test_a_windowed_tokens_bits_do_not_depend_on_its_step` on a loaded ``backend``."""
+    import torch
+
+    from mindie_host.backends.base import ModelInput
+
+    vocab = json.loads((hf / "config.json").read_text()).get("vocab_size") or 49152
+    ps = prompts(vocab)
+    lengths = [len(p) for p in ps]
+
+    def step(seqs: list[tuple[int, int, int]], logits: list[int]) -> torch.Tensor:
+        """Queries ``(prompt s, first position, tokens)``; positions past the prompt bring generated tokens."""
+        return backend.execute(ModelInput(
+            input_ids=[ps[s][p] if p < lengths[s] else 11 + p for s, start, n in seqs for p in range(start, start + n)],
+            positions=[p for _, start, n in seqs for p in range(start, start + n)],
+            query_lens=[n for *_, n in seqs], context_lens=[start + n for _, start, n in seqs],
+            block_tables=[[8 * s + i for i in range(8)] for s, *_ in seqs], logits_indices=logits,
+            row_variants=[-1] * len(seqs), prompt_lens=[lengths[s] for s, *_ in seqs]))
+
+    n, m = lengths[3], lengths[2]  # 47 and 33 tokens: past the window
+    whole = step([(3, 0, n)], [n - 1])[0]
+    gen = [step([(3, n + j, 1)], [0])[0] for j in range(2)]  # two decode steps after the whole prompt
+    for size in (5, 20):  # chunks of 5, then of 20
+        for start in range(0, n, size):
+            got = step([(3, start, min(size, n - start))], [min(size, n - start) - 1])[0]
+        assert torch.equal(got, whole), size
+        assert torch.equal(step([(3, n, 1)], [0])[0], gen[0]), size
+    alone = step([(2, 0, m)], [m - 1])[0]
+    step([(3, 0, n - 1)], [n - 2])  # all but the last token held, as a prefix cache would
+    assert torch.equal(step([(3, n - 1, 1)], [0])[0], whole)  # the last alone in its step
+    beside = step([(2, 0, m), (3, n - 1, 1)], [m - 1, m])  # the last alone, beside another prompt
+    assert torch.equal(beside[1], whole) and torch.equal(beside[0], alone)
+    step([(3, n, 1)], [0])
+    mixed = step([(3, n + 1, 1), (2, 0, m)], [0, m])  # a decode row beside a prompt
+    assert torch.equal(mixed[0], gen[1]) and torch.equal(mixed[1], alone)
