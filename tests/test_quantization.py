@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,26 @@ from mindie_host.testing import loaded_host, run_engine, server_config
 PROMPT = list(range(300, 348))  # 48 tokens: three 16-token blocks
 
 
+#: the hosts this module loaded, shut down when it ends (a dropped host keeps its engine and pools until gc)
+_HOSTS: list[Any] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shut_hosts_down() -> Iterator[None]:
+    yield
+    while _HOSTS:
+        _HOSTS.pop().shutdown()
+
+
+def _host(cfg: dict[str, Any]) -> Any:
+    host = loaded_host(cfg)
+    _HOSTS.append(host)
+    return host
+
+
 def _backend(model: Path, **model_cfg: Any) -> Any:
     cfg = {"device": "cpu", "dtype": "float32", **model_cfg}
-    return loaded_host(server_config(model, model=cfg)).backend
+    return _host(server_config(model, model=cfg)).backend
 
 
 def _logits(backend: Any) -> torch.Tensor:
@@ -120,7 +138,7 @@ def test_int8_kv_cache_bytes_and_round_trip(tiny_model: Path) -> None:
     step = kv.abs().amax(-1, keepdim=True) / 127  # per token and head
     assert bool(((back - kv[[1, 0, 2]]).abs() <= step[[1, 0, 2]] / 2 + 1e-6).all())
     # whole requests, batched, through the engine with the int8 cache
-    host = loaded_host(server_config(tiny_model, model={"device": "cpu", "kvCacheDtype": "int8",
+    host = _host(server_config(tiny_model, model={"device": "cpu", "kvCacheDtype": "int8",
                                                         "quantization": "w8a8"}))
     reqs = [EngineRequest(f"r{i}", [5 + i] * (3 + i), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(4)]
     assert all(len(o.token_ids) == 8 for o in run_engine(host, reqs).values())
