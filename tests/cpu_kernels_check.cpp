@@ -202,6 +202,65 @@ void check_lowbit(const mh_kernels* k, bool int4) {
               (unsigned long long)digest(two.data(), 2 * N, digest(one.data(), N, digest(out.data(), M * N))));
 }
 
+// int8 rows times 4-bit (derived or stored offsets) or int8 codes: the bits of a plain loop of the same float32
+// arithmetic (cpu_matmul.q8_rows_reference's), at seven rows and a row alone; groups of 32 or one of the whole row.
+void check_q8_rows(const mh_kernels* k, bool int4, bool stored, int64_t gs) {
+  std::mt19937 rng(int4 ? (stored ? 17 : 19) : 23);
+  const int64_t N = 40, K = 320, NT = 2, GW = K / gs, G = K / 32, P = K / 2, M = 7;
+  std::vector<uint8_t> codes(NT * P * (int4 ? 32 : 64), 0);
+  std::vector<float> scale(NT * GW * 32, 0.f), offset(NT * GW * 32, 0.f);
+  std::vector<int> c(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t w = 0; w < GW; ++w) {
+      scale[(n / 32) * GW * 32 + w * 32 + n % 32] = float(64 + rng() % 100) / 4096.f;
+      offset[(n / 32) * GW * 32 + w * 32 + n % 32] = stored ? float(int(rng() % 200) - 100) / 1024.f : 0.f;
+    }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < K; ++i) {
+      const int code = int4 ? int(rng() % 16) : int(rng() % 256) - 128;
+      c[n * K + i] = int4 && !stored ? code - 8 : code;  // the weight's integer value
+      uint8_t* tile = codes.data() + (n / 32) * P * (int4 ? 32 : 64);
+      if (int4)
+        tile[(i / 2) * 32 + n % 32] |= uint8_t(code << (4 * (i % 2)));
+      else
+        tile[(i / 2) * 64 + (n % 32) * 2 + i % 2] = uint8_t(int8_t(code));
+    }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xscale(M * G);
+  std::vector<int32_t> xqsum(M * G, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      xscale[m * G + g] = float(1 + rng() % 1000) / 8192.f;
+      for (int64_t i = g * 32; i < (g + 1) * 32; ++i) {
+        xq[m * K + i] = int8_t(int(rng() % 255) - 127);
+        xqsum[m * G + g] += xq[m * K + i];
+      }
+    }
+  std::vector<float> out(M * N), one(N), want(M * N);
+  k->lowbit_q8_rows(xq.data(), xscale.data(), xqsum.data(), M, K, codes.data(), int4, NT, scale.data(),
+                    stored ? offset.data() : nullptr, 0, N, gs, out.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t isum = 0;
+        for (int64_t i = g * 32; i < (g + 1) * 32; ++i) isum += c[n * K + i] * xq[m * K + i];
+        const int64_t at = (n / 32) * GW * 32 + (g * 32 / gs) * 32 + n % 32;
+        const float xs = xscale[m * G + g];
+        acc = acc + (scale[at] * xs) * float(isum);
+        if (stored) acc = acc + (offset[at] * xs) * float(xqsum[m * G + g]);
+      }
+      want[m * N + n] = acc;
+    }
+  const char* what = int4 ? (stored ? "lowbit_q8_rows 4-bit, stored offsets" : "lowbit_q8_rows 4-bit")
+                          : (gs == K ? "lowbit_q8_rows 8-bit, one group a row" : "lowbit_q8_rows 8-bit");
+  report(what, std::memcmp(out.data(), want.data(), M * N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+  k->lowbit_q8_rows(xq.data() + 6 * K, xscale.data() + 6 * G, xqsum.data() + 6 * G, 1, K, codes.data(), int4, NT,
+                    scale.data(), stored ? offset.data() : nullptr, 0, N, gs, one.data());
+  report("lowbit_q8_rows: a row alone has its bits among seven",
+         std::memcmp(one.data(), out.data() + 6 * N, N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
+}
+
 }  // namespace
 
 int main() {
@@ -216,5 +275,9 @@ int main() {
   check_attention(k, 4, 4, 36);
   check_lowbit(k, true);
   check_lowbit(k, false);
+  check_q8_rows(k, true, false, 32);
+  check_q8_rows(k, true, true, 32);
+  check_q8_rows(k, false, false, 32);
+  check_q8_rows(k, false, false, 320);
   return failures ? 1 : 0;
 }

@@ -137,7 +137,8 @@ class Corrupted:
 
 
 @pytest.mark.parametrize("method,kernel", [("add_rms_norm", "layer_ops"), ("lowbit_matmul", "lowbit_matmul"),
-                                           ("decode_attention", "decode_attention")])
+                                           ("decode_attention", "decode_attention"),
+                                           ("lowbit_q8_rows", "lowbit_q8_rows")])
 def test_a_kernel_that_answers_wrong_is_turned_off_at_load_and_torch_serves(
         cpu_variants: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         tmp_path: Path, method: str, kernel: str) -> None:

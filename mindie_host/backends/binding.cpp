@@ -36,8 +36,9 @@ const mh_runtime kRuntime = {parallel_for, num_threads};
 class Kernels {
  public:
   explicit Kernels(uintptr_t address) : k_(reinterpret_cast<const mh_kernels*>(address)) {
-    // version 1 (a build before lowbit_matmul_f16, for benchmarks that alternate builds) is the table's prefix
-    TORCH_CHECK(k_ != nullptr && (k_->abi == MINDIE_HOST_KERNELS_ABI || k_->abi == 1),
+    // versions 1 and 2 (builds before lowbit_matmul_f16 / lowbit_q8_rows, for benchmarks that alternate builds)
+    // are prefixes of the table
+    TORCH_CHECK(k_ != nullptr && k_->abi >= 1 && k_->abi <= MINDIE_HOST_KERNELS_ABI,
                 "a kernel library of another interface version");
     k_->set_runtime(&kRuntime);
   }
@@ -46,6 +47,9 @@ class Kernels {
 
   // The dtype lowbit_matmul's activations must have.
   bool lowbit_takes_bfloat16() const { return k_->lowbit_activation == 1; }
+
+  // Whether the library has lowbit_q8_rows (interface version 3 and later).
+  bool has_q8_rows() const { return k_->abi >= 3; }
 
   at::Tensor add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
                              double eps) const {
@@ -149,6 +153,40 @@ class Kernels {
     return out;
   }
 
+  // int8 rows (xq [M, K] int8, xscale [M, K/32] float32, xqsum [M, K/32] int32: cpu_matmul.quantize_rows) times
+  // the tiles lowbit_matmul takes, whose group size must be a multiple of 32 -> [M, N] float32
+  at::Tensor lowbit_q8_rows(at::Tensor xq, at::Tensor xscale, at::Tensor xqsum, at::Tensor codes, at::Tensor scale,
+                            at::Tensor offset, int64_t N, int64_t group_size) const {
+    TORCH_CHECK(has_q8_rows(), "lowbit_q8_rows: the ", k_->variant, " kernel library is of interface version ",
+                k_->abi, ", before it (3)");
+    TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "xq: [M, K] int8");
+    const int64_t M = xq.size(0), K = xq.size(1), G = K / 32;
+    TORCH_CHECK(K % 32 == 0 && K > 0, "xq: K a multiple of 32");
+    TORCH_CHECK(xscale.dim() == 2 && xscale.scalar_type() == at::kFloat && xscale.is_contiguous() &&
+                    xscale.size(0) == M && xscale.size(1) == G, "xscale: [M, K/32] float32");
+    TORCH_CHECK(xqsum.dim() == 2 && xqsum.scalar_type() == at::kInt && xqsum.is_contiguous() &&
+                    xqsum.size(0) == M && xqsum.size(1) == G, "xqsum: [M, K/32] int32");
+    const bool int4 = codes.scalar_type() == at::kByte;
+    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
+    TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
+    const bool half = scale.scalar_type() == at::kHalf;
+    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) &&
+                    (offset.numel() == 0 || offset.scalar_type() == scale.scalar_type()) &&
+                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32 or float16, alike");
+    const int64_t NT = codes.size(0), P = codes.size(1);
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K == 2 * P && K % group_size == 0 && NT * 32 >= N && N > 0,
+                "shapes (the weights' group size a multiple of 32)");
+    const bool derived = offset.numel() == 0;
+    TORCH_CHECK(scale.numel() == NT * (K / group_size) * 32 && (derived || offset.numel() == scale.numel()),
+                "scale, offset: [NT, K / group_size, 32] (offset may be empty)");
+    auto out = at::empty({M, N}, xscale.options());
+    if (M > 0)
+      k_->lowbit_q8_rows(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data_ptr<int32_t>(), M, K,
+                         static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT, scale.data_ptr(),
+                         derived ? nullptr : offset.data_ptr(), half ? 1 : 0, N, group_size, out.data_ptr<float>());
+    return out;
+  }
+
   at::Tensor silu_mul(at::Tensor gate_up) const {
     TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
                     gate_up.size(1) % 2 == 0, "gate_up: [M, 2I] bfloat16");
@@ -217,7 +255,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("decode_attention", &Kernels::decode_attention)
       .def("prompt_attention", &Kernels::prompt_attention)
       .def("lowbit_matmul", &Kernels::lowbit_matmul)
-      .def("silu_mul", &Kernels::silu_mul);
+      .def("silu_mul", &Kernels::silu_mul)
+      .def_property_readonly("has_q8_rows", &Kernels::has_q8_rows)
+      .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows);
   m.def("threads_used", [](int64_t n) {
         std::pair<std::mutex, std::set<int>> seen;
         parallel_for(0, n, 1, [](void* ctx, int64_t, int64_t) {

@@ -58,7 +58,7 @@ BUILD_WAIT_S = 600.0
 HERE = Path(__file__).parent
 
 #: the kernel sources of every variant library, and the torch extension that calls them
-SOURCES = ("layer_ops.cpp", "attention.cpp", "lowbit_matmul.cpp", "kernel_table.cpp")
+SOURCES = ("layer_ops.cpp", "attention.cpp", "lowbit_matmul.cpp", "lowbit_q8_rows.cpp", "kernel_table.cpp")
 BINDING = "binding.cpp"
 
 #: compiler flags of every variant: -ffp-contract=off keeps each product and sum rounded as the source writes it
@@ -69,12 +69,13 @@ COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contr
 VARIANT_FLAGS: dict[str, dict[str, tuple[str, ...]]] = {
     "portable": {"x86_64": ("-march=x86-64", "-mtune=generic"), "aarch64": ("-march=armv8-a",), "*": ()},
     "avx2": {"x86_64": ("-march=x86-64-v3", "-mtune=generic")},
-    "avx512": {"x86_64": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic")},
+    "avx512": {"x86_64": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic")},
     "neon": {"aarch64": ("-march=armv8-a", "-DMINDIE_HOST_NEON=1")},
 }
 
 #: the kernels the self-check can turn off one by one
-KERNELS = ("layer_ops", "decode_attention", "prompt_attention", "lowbit_matmul", "silu_mul")
+KERNELS = ("layer_ops", "decode_attention", "prompt_attention", "lowbit_matmul", "silu_mul",
+           "lowbit_q8_rows")
 
 
 def enabled() -> bool:

@@ -191,6 +191,15 @@ class LowBitTiles:
         codes = self.groups()[0].float()
         return codes - 8 if self.codes.dtype == torch.uint8 and not self.stored_offsets else codes
 
+    def q8_rows(self, rows: QuantizedRows) -> torch.Tensor:
+        """``x @ W.T`` in float32 for int8 rows (:func:`quantize_rows`): the active kernels' ``lowbit_q8_rows``
+        (integer dot products per group of 32 inputs), else :func:`q8_rows_reference`, the same bits."""
+        mod = cpu_extensions.active("lowbit_q8_rows")
+        if mod is None or not getattr(mod, "has_q8_rows", False) or self.group_size % Q8_GROUP:
+            return q8_rows_reference(rows, self)
+        return mod.lowbit_q8_rows(rows.q, rows.scale, rows.qsum, self.codes, self.scale, self.offset, self.n,
+                                  self.group_size)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight these tiles stand for (for tests)."""
         codes, scale, offset = self.groups()

@@ -44,7 +44,7 @@ ENV = "MINDIE_HOST_CPU_ISA"
 REQUIRED_FLAGS = {
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
     "avx512": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx512f", "avx512bw",
-                         "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}),
+                         "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}),
     "neon": frozenset({"asimd"}),
 }
 

@@ -130,6 +130,37 @@ def _lowbit(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float
     return out
 
 
+def _q8_rows(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
+    """int8 prompt rows against their torch reference, bit for bit (allowed error 0): every rounding is fixed."""
+    from .cpu_matmul import Q8_GROUP, LowBitTiles, q8_rows_reference, quantize_rows
+
+    if not getattr(k, "has_q8_rows", False):  # a library before the int8 rows (interface version 2): nothing to run
+        return []
+    out = []
+    for kind, cols, group_size in s.low_bit:
+        if cols % Q8_GROUP or group_size % Q8_GROUP:  # not a shape the int8 rows take
+            continue
+        n = 40
+        scale = (torch.rand(n, cols // group_size, generator=g) * 0.02 + 1e-3).half().float()
+        if kind == "int4":  # stored offsets (Q4_1) here; the float16 scales of a GGUF file
+            codes = torch.randint(0, 16, (n, cols), generator=g, dtype=torch.uint8)
+            offset = ((torch.rand(n, cols // group_size, generator=g) - 0.5) * 0.1).half().float()
+            forms = [LowBitTiles.four_bit(codes, scale, -8 * scale, group_size),
+                     LowBitTiles.four_bit(codes, scale, offset, group_size)]
+        else:
+            codes = torch.randint(-127, 128, (n, cols), generator=g, dtype=torch.int8)
+            forms = [LowBitTiles(codes, scale, torch.zeros_like(scale), group_size)]
+        for tiles in forms:
+            for rows in (1, 7):  # a lone row and a block of six and one
+                q = quantize_rows(torch.randn(rows, cols, generator=g))
+                got = k.lowbit_q8_rows(q.q, q.scale, q.qsum, tiles.codes, tiles.scale, tiles.offset, tiles.n,
+                                       tiles.group_size)
+                out.append((f"lowbit_q8_rows {kind} {cols} columns, groups of {group_size}, "
+                            f"{'stored' if tiles.stored_offsets else 'derived'} offsets, {rows} rows", 0.0, got,
+                            q8_rows_reference(q, tiles)))
+    return out
+
+
 def _silu_mul(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
     gate_up = (torch.randn(3, 2 * s.intermediate, generator=g) * 4).bfloat16()
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -144,6 +175,7 @@ CHECKS: dict[str, Callable[[Any, ModelShapes, torch.Generator], list[tuple[str, 
     "prompt_attention": lambda k, s, g: _attention(k, s, g, "prompt_attention"),
     "lowbit_matmul": _lowbit,
     "silu_mul": _silu_mul,
+    "lowbit_q8_rows": _q8_rows,
 }
 
 

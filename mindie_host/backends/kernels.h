@@ -10,7 +10,8 @@
 
 // 2: lowbit_matmul_f16 appended at the end of the table; a library of version 1 (a build before it, which benchmarks
 // such as bench/lowbit_shapes.py --compare alternate with this one) still loads, for float32 scales only
-#define MINDIE_HOST_KERNELS_ABI 2
+// 3: lowbit_q8_rows appended at the end (int8 prompt rows); a library of version 2 or 1 still loads, without it
+#define MINDIE_HOST_KERNELS_ABI 3
 
 extern "C" {
 
@@ -55,6 +56,13 @@ struct mh_kernels {
   // (version 2) lowbit_matmul with the group scales and offsets as float16 bits, converted exactly in the kernel
   void (*lowbit_matmul_f16)(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
                             const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out);
+
+  // (version 3) out[M, N] = int8 rows (xq [M, K], per row and group of 32 inputs a float32 scale xscale [M, K/32]
+  // and the codes' sum xqsum [M, K/32]) times the same tiles, with integer dot products per group (see
+  // lowbit_q8_rows.cpp); scale and offset float32 or, with half_scales, float16 bits; offset null when derived
+  void (*lowbit_q8_rows)(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
+                         const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset,
+                         int half_scales, int64_t N, int64_t group_size, float* out);
 };
 
 // The table of the variant this library was built as.
@@ -113,5 +121,8 @@ void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, in
 void lowbit_matmul_f16(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
                        const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out);
 void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I);
+void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
+                    const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,
+                    int64_t N, int64_t group_size, float* out);
 }  // namespace mh
 #endif

@@ -59,17 +59,7 @@ inline float derived_offset(bool int4, float scale) { return int4 ? -8.f * scale
 // Group scales (and stored offsets) are float32, or float16 bits where the file's are float16 (GGUF Q4_0, Q4_1,
 // Q8_0's ``d``): converted to float32 as they are loaded, exactly (every float16 is a float32), so the kernel works
 // with the same float32 values either way. ``Sc`` is float or uint16_t (float16 bits) throughout.
-inline float half_to_float(uint16_t h) {  // exact, in software (the portable variant; vector variants convert 8-16)
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
-    const float v = static_cast<float>(man) * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using mh::half_to_float;
 inline float scale_at(const float* p) { return *p; }
 inline float scale_at(const uint16_t* p) { return half_to_float(*p); }
 

@@ -32,6 +32,20 @@
 
 namespace mh {
 
+// float16 bits to float32, exactly, in software (every float16 is a float32; the portable variants' conversion of
+// the file's scales: vector variants convert 8-16 at a time with F16C)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+    const float v = static_cast<float>(man) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 #if defined(MH_AVX512)
 // e^x for x <= 0 (scores minus their maximum, or -|x|): 2^n * p(r) with a degree-6 polynomial, ~1e-7 relative error
 inline __m512 exp_nonpositive(__m512 x) {
