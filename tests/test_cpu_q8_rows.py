@@ -106,6 +106,9 @@ def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any
         assert torch.equal(tiles.q8_rows(r), want)  # the reference serves, with the same bits
     with cpu_extensions.using(None):
         assert torch.equal(tiles.q8_rows(r), want)
+    sixteen = LowBitTiles(torch.zeros(N, 576, dtype=torch.int8), torch.ones(N, 36), torch.zeros(N, 36), 16)
+    with pytest.raises(ValueError, match="multiple of 32"):  # a Q6_K head's groups of 16: not whole groups of rows
+        sixteen.q8_rows(r)
 
 
 def test_the_binding_checks_the_rows_shapes(cpu_variant: Any) -> None:
