@@ -104,6 +104,7 @@ def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any
     assert torch.equal(tiles.q8_rows(r), want)
     with cpu_extensions.using(cpu_variant, off=frozenset({"lowbit_q8_rows"})):
         assert torch.equal(tiles.q8_rows(r), want)  # the reference serves, with the same bits
+        assert torch.equal(tiles.q8_rows(r, tiles.int_values()), want)
     with cpu_extensions.using(None):
         assert torch.equal(tiles.q8_rows(r), want)
     sixteen = LowBitTiles(torch.zeros(N, 576, dtype=torch.int8), torch.ones(N, 36), torch.zeros(N, 36), 16)

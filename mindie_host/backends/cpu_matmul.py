@@ -191,15 +191,16 @@ class LowBitTiles:
         codes = self.groups()[0].float()
         return codes - 8 if self.codes.dtype == torch.uint8 and not self.stored_offsets else codes
 
-    def q8_rows(self, rows: QuantizedRows) -> torch.Tensor:
+    def q8_rows(self, rows: QuantizedRows, values: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` in float32 for int8 rows (:func:`quantize_rows`): the active kernels' ``lowbit_q8_rows``
-        (integer dot products per group of 32 inputs), else :func:`q8_rows_reference`, the same bits. The weights'
-        groups must be whole groups of the rows (a multiple of :data:`Q8_GROUP` inputs; not a Q6_K head's 16)."""
+        (integer dot products per group of 32 inputs), else :func:`q8_rows_reference` (given ``values``,
+        :meth:`int_values`, when the caller keeps them), the same bits. The weights' groups must be whole groups of
+        the rows (a multiple of :data:`Q8_GROUP` inputs; not a Q6_K head's 16)."""
         if self.group_size % Q8_GROUP:
             raise ValueError(f"int8 rows take weight groups of a multiple of {Q8_GROUP} inputs, not {self.group_size}")
         mod = cpu_extensions.active("lowbit_q8_rows")
         if mod is None or not getattr(mod, "has_q8_rows", False):
-            return q8_rows_reference(rows, self)
+            return q8_rows_reference(rows, self, values)
         return mod.lowbit_q8_rows(rows.q, rows.scale, rows.qsum, self.codes, self.scale, self.offset, self.n,
                                   self.group_size)
 
