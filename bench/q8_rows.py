@@ -6,7 +6,8 @@ and down products, the 135M model's MLP), in GGUF Q4_0 and Q8_0 form (the loader
 on each kernel variant (``--variants``, default avx512 and avx2 where this CPU runs them):
 
 * ``lowbit_matmul``: the activations in the variant's dtype (bfloat16 on avx512, float32 on avx2);
-* ``lowbit_q8_rows``: the rows already quantized (``quantize_rows``, whose own time is the ``quant`` column);
+* ``lowbit_q8_rows``: the rows already quantized (``quantize_rows``, whose own time is the ``quant`` column in
+  torch, ``qkern`` in the kernels' ``quantize_rows``);
 
 calls interleaved one by one, median of ``--repeat`` each (and the ratio of the fastest calls, ``(min)``, which a
 busy machine disturbs less), on ``--threads`` of torch's threads, and checks once (up to 64 rows) that the int8
@@ -59,8 +60,8 @@ def timed(fns: list[Callable[[], object]], repeat: int) -> list[list[float]]:
 
 
 def measure(kernels: Any, tiles: LowBitTiles, x: torch.Tensor, act: torch.dtype, repeat: int) -> list[list[float]]:
-    """Seconds of lowbit_matmul, lowbit_q8_rows and quantize_rows on rows ``x`` (checking the int8 product's bits
-    against the reference once, up to 64 rows)."""
+    """Seconds of lowbit_matmul, lowbit_q8_rows, quantize_rows (torch) and the kernels' quantize_rows on rows ``x``
+    (checking the int8 product's bits against the reference once, up to 64 rows)."""
     xa = x.to(act).contiguous()
     rows = quantize_rows(x)
 
@@ -71,7 +72,7 @@ def measure(kernels: Any, tiles: LowBitTiles, x: torch.Tensor, act: torch.dtype,
     if x.shape[0] <= 64 and not torch.equal(q8(), q8_rows_reference(rows, tiles)):
         raise SystemExit(f"{kernels.variant} {tuple(x.shape)} x {tiles.n}: not the reference's bits")
     return timed([lambda: kernels.lowbit_matmul(xa, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size),
-                  q8, lambda: quantize_rows(x)], repeat)
+                  q8, lambda: quantize_rows(x), lambda: kernels.quantize_rows(x)], repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     only = {s for s in args.only.split(",") if s}
     print(f"# {args.threads} threads, median of {args.repeat}, load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'variant':8} {'shape':12} {'K x N':>11} {'form':5} {'M':>4} {'matmul ms':>10} {'q8 ms':>8} "
-          f"{'speedup':>7} {'(min)':>7} {'q8 GOP/s':>8} {'quant ms':>8}")
+          f"{'speedup':>7} {'(min)':>7} {'q8 GOP/s':>8} {'quant ms':>8} {'qkern ms':>8}")
     g = torch.Generator().manual_seed(0)
     for isa in isas:
         kernels = loaded.get(isa)
@@ -103,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             for form in args.forms.split(","):
                 tiles = make_tiles(form, n, k, g)
                 for m in (int(r) for r in args.rows.split(",")):
-                    matmul, q8, quant = measure(kernels, tiles, torch.randn(m, k, generator=g), act, args.repeat)
+                    matmul, q8, quant, quant_kernel = measure(kernels, tiles, torch.randn(m, k, generator=g), act,
+                                                              args.repeat)
                     matmul_s, q8_s = statistics.median(matmul), statistics.median(q8)
                     print(f"{isa:8} {name:12} {f'{k}x{n}':>11} {form:5} {m:4} {matmul_s * 1e3:10.2f} "
                           f"{q8_s * 1e3:8.2f} {matmul_s / q8_s:6.2f}x {min(matmul) / min(q8):6.2f}x "
-                          f"{2 * m * n * k / q8_s / 1e9:8.0f} {statistics.median(quant) * 1e3:8.2f}", flush=True)
+                          f"{2 * m * n * k / q8_s / 1e9:8.0f} {statistics.median(quant) * 1e3:8.2f} "
+                          f"{statistics.median(quant_kernel) * 1e3:8.2f}", flush=True)
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

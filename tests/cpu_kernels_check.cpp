@@ -261,6 +261,35 @@ void check_q8_rows(const mh_kernels* k, bool int4, bool stored, int64_t gs) {
          std::memcmp(one.data(), out.data() + 6 * N, N * sizeof(float)) == 0 ? 0.0 : 1.0, 0.0);
 }
 
+// quantize_rows: a plain loop of cpu_matmul.quantize_rows's steps (max|x| / 127, 1 / scale, round half to even of
+// x * inv, clamp), bit for bit, with a group of zeros and exact halves
+void check_quantize_rows(const mh_kernels* k) {
+  const int64_t M = 5, K = 96, G = K / 32;
+  std::vector<float> x = randn(M * K, 3.f);
+  for (int64_t i = 0; i < 32; ++i) x[i] = 0.f;                          // row 0, group 0: scale 0
+  for (int64_t i = 0; i < 32; ++i) x[K + i] = i == 0 ? 127.f : (i - 16) + 0.5f;  // row 1, group 0: scale 1, halves
+  std::vector<int8_t> q(M * K), wq(M * K);
+  std::vector<float> scale(M * G), ws(M * G);
+  std::vector<int32_t> qsum(M * G), wsum(M * G, 0);
+  k->quantize_rows(x.data(), M, K, q.data(), scale.data(), qsum.data());
+  for (int64_t i = 0; i < M * G; ++i) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < 32; ++j) amax = std::fabs(x[i * 32 + j]) > amax ? std::fabs(x[i * 32 + j]) : amax;
+    ws[i] = amax / 127.f;
+    const float inv = ws[i] > 0.f ? 1.f / ws[i] : 0.f;
+    for (int64_t j = 0; j < 32; ++j) {
+      float v = std::nearbyint(x[i * 32 + j] * inv);
+      v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
+      wq[i * 32 + j] = int8_t(v);
+      wsum[i] += int32_t(v);
+    }
+  }
+  const bool same = std::memcmp(q.data(), wq.data(), q.size()) == 0 &&
+                    std::memcmp(scale.data(), ws.data(), ws.size() * sizeof(float)) == 0 &&
+                    std::memcmp(qsum.data(), wsum.data(), wsum.size() * sizeof(int32_t)) == 0;
+  report("quantize_rows: codes, scales and sums of a plain loop", same ? 0.0 : 1.0, 0.0);
+}
+
 }  // namespace
 
 int main() {
@@ -279,5 +308,6 @@ int main() {
   check_q8_rows(k, true, true, 32);
   check_q8_rows(k, false, false, 32);
   check_q8_rows(k, false, false, 320);
+  check_quantize_rows(k);
   return failures ? 1 : 0;
 }

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from mindie_host.backends import cpu_extensions, cpu_selfcheck
-from mindie_host.backends.cpu_matmul import LowBitTiles, QuantizedRows, q8_rows_reference, quantize_rows
+from mindie_host.backends.cpu_matmul import (
+    LowBitTiles,
+    QuantizedRows,
+    q8_rows_reference,
+    quantize_rows,
+    quantize_rows_kernel,
+)
 
 pytestmark = pytest.mark.skipif(cpu_extensions.compiler() is None, reason="no C++ compiler")
 
@@ -112,6 +118,29 @@ def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any
         sixteen.q8_rows(r)
 
 
+def assert_same_rows(got: QuantizedRows, want: QuantizedRows) -> None:
+    assert got.q.dtype == torch.int8 and got.scale.dtype == torch.float32 and got.qsum.dtype == torch.int32
+    assert torch.equal(got.q, want.q) and torch.equal(got.qsum, want.qsum)
+    assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))  # bit for bit
+
+
+@pytest.mark.parametrize("k", [32, 576, 8192])
+def test_the_kernels_quantize_the_rows_as_torch_does(cpu_variant: Any, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 7, 300):
+        x = torch.randn(m, k, generator=g) * torch.logspace(-6, 4, m)[:, None]  # rows of every size
+        x[0, :32] = 0  # a group of zeros: scale 0, codes 0
+        if k >= 64:
+            x[-1, 32:64] = torch.arange(-16, 16) * 127 / 16 + 0.5 * 127 / 16 * (torch.arange(32) % 2)  # ties
+        assert_same_rows(QuantizedRows(*cpu_variant.quantize_rows(x)), quantize_rows(x))
+    ties = torch.tensor([[127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 3.5, -126.5] + [0.0] * 24])  # scale 1: halves to even
+    got = QuantizedRows(*cpu_variant.quantize_rows(ties))
+    assert got.q[0, :8].tolist() == [127, 2, -2, 0, 0, 2, 4, -126]
+    assert_same_rows(got, quantize_rows(ties))
+    bf16 = torch.randn(5, k, generator=g).bfloat16()  # what the prompt rows may come as: converted exactly first
+    assert_same_rows(quantize_rows_kernel(bf16), quantize_rows(bf16))
+
+
 def test_the_binding_checks_the_rows_shapes(cpu_variant: Any) -> None:
     tiles = weight("q8_0", N, 64, half=False)
     r = rows(3, 64)
@@ -147,8 +176,11 @@ def test_a_library_of_interface_version_2_loads_without_the_int8_rows(cpu_varian
     r = rows(2, 64)
     with pytest.raises(RuntimeError, match="interface version 2"):
         run(old, r, tiles)
-    with cpu_extensions.using(old):  # the reference serves it
+    with pytest.raises(RuntimeError, match="interface version 2"):
+        old.quantize_rows(torch.zeros(2, 64))
+    with cpu_extensions.using(old):  # the reference serves it, and torch quantizes
         assert torch.equal(tiles.q8_rows(r), q8_rows_reference(r, tiles))
+        assert_same_rows(quantize_rows_kernel(torch.ones(2, 64)), quantize_rows(torch.ones(2, 64)))
     table.abi = 4  # a newer library than this binding knows is refused
     with pytest.raises(RuntimeError, match="another interface version"):
         binding.Kernels(ctypes.addressof(table))

@@ -48,7 +48,7 @@ class Kernels {
   // The dtype lowbit_matmul's activations must have.
   bool lowbit_takes_bfloat16() const { return k_->lowbit_activation == 1; }
 
-  // Whether the library has lowbit_q8_rows (interface version 3 and later).
+  // Whether the library has lowbit_q8_rows and quantize_rows (interface version 3 and later).
   bool has_q8_rows() const { return k_->abi >= 3; }
 
   at::Tensor add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
@@ -187,6 +187,23 @@ class Kernels {
     return out;
   }
 
+  // x [M, K] float32 (K a multiple of 32) -> [q [M, K] int8, scale [M, K/32] float32, qsum [M, K/32] int32]: the
+  // bits of cpu_matmul.quantize_rows
+  std::vector<at::Tensor> quantize_rows(at::Tensor x) const {
+    TORCH_CHECK(has_q8_rows(), "quantize_rows: the ", k_->variant, " kernel library is of interface version ",
+                k_->abi, ", before it (3)");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
+                "x: [M, K] float32, K a multiple of 32");
+    const int64_t M = x.size(0), K = x.size(1);
+    auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+    auto scale = at::empty({M, K / 32}, x.options());
+    auto qsum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
+    if (M > 0 && K > 0)
+      k_->quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                        qsum.data_ptr<int32_t>());
+    return {q, scale, qsum};
+  }
+
   at::Tensor silu_mul(at::Tensor gate_up) const {
     TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
                     gate_up.size(1) % 2 == 0, "gate_up: [M, 2I] bfloat16");
@@ -257,7 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lowbit_matmul", &Kernels::lowbit_matmul)
       .def("silu_mul", &Kernels::silu_mul)
       .def_property_readonly("has_q8_rows", &Kernels::has_q8_rows)
-      .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows);
+      .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows)
+      .def("quantize_rows", &Kernels::quantize_rows);
   m.def("threads_used", [](int64_t n) {
         std::pair<std::mutex, std::set<int>> seen;
         parallel_for(0, n, 1, [](void* ctx, int64_t, int64_t) {

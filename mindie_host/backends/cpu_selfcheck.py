@@ -131,7 +131,8 @@ def _lowbit(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float
 
 
 def _q8_rows(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
-    """int8 prompt rows against their torch reference, bit for bit (allowed error 0): every rounding is fixed."""
+    """int8 prompt rows (and the kernels' quantizing of them) against their torch reference, bit for bit (allowed
+    error 0): every rounding is fixed."""
     from .cpu_matmul import Q8_GROUP, LowBitTiles, q8_rows_reference, quantize_rows
 
     if not getattr(k, "has_q8_rows", False):  # a library before the int8 rows (interface version 2): nothing to run
@@ -152,7 +153,12 @@ def _q8_rows(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, floa
             forms = [LowBitTiles(codes, scale, torch.zeros_like(scale), group_size)]
         for tiles in forms:
             # seven rows: a block of six and a lone one (the reference loops over the groups in torch: ~10 ms at K 8192)
-            q = quantize_rows(torch.randn(7, cols, generator=g))
+            x = torch.randn(7, cols, generator=g) * torch.logspace(-3, 3, 7)[:, None]
+            q = quantize_rows(x)
+            mine = k.quantize_rows(x)
+            out.append((f"quantize_rows {cols} columns: codes, scales and sums", 0.0,
+                        torch.cat([mine[0].flatten().float(), mine[1].flatten(), mine[2].flatten().float()]),
+                        torch.cat([q.q.flatten().float(), q.scale.flatten(), q.qsum.flatten().float()])))
             got = k.lowbit_q8_rows(q.q, q.scale, q.qsum, tiles.codes, tiles.scale, tiles.offset, tiles.n,
                                    tiles.group_size)
             out.append((f"lowbit_q8_rows {kind} {cols} columns, groups of {group_size}, "

@@ -10,7 +10,8 @@
 
 // 2: lowbit_matmul_f16 appended at the end of the table; a library of version 1 (a build before it, which benchmarks
 // such as bench/lowbit_shapes.py --compare alternate with this one) still loads, for float32 scales only
-// 3: lowbit_q8_rows appended at the end (int8 prompt rows); a library of version 2 or 1 still loads, without it
+// 3: lowbit_q8_rows and quantize_rows appended at the end (int8 prompt rows); a library of version 2 or 1 still
+// loads, without them
 #define MINDIE_HOST_KERNELS_ABI 3
 
 extern "C" {
@@ -63,6 +64,9 @@ struct mh_kernels {
   void (*lowbit_q8_rows)(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
                          const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset,
                          int half_scales, int64_t N, int64_t group_size, float* out);
+  // (version 3) x [M, K] float32 as the int8 rows lowbit_q8_rows takes, per row and group of 32: scale = max|x| / 127,
+  // q = round-half-even(x * (1 / scale)) (0 where the scale is 0) and the codes' sum, as cpu_matmul.quantize_rows
+  void (*quantize_rows)(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum);
 };
 
 // The table of the variant this library was built as.
@@ -124,5 +128,6 @@ void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I);
 void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
                     const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,
                     int64_t N, int64_t group_size, float* out);
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum);
 }  // namespace mh
 #endif

@@ -26,6 +26,7 @@
 // * portable (and neon): plain int32 loops over a buffer of the integers [K][32].
 #define MINDIE_HOST_KERNEL_SOURCE 1
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -388,6 +389,74 @@ void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum,
   else
     q8_rows(xq, xscale, xqsum, M, K, codes, int4, NT, static_cast<const float*>(scale),
             static_cast<const float*>(offset), N, group_size, out);
+}
+
+// x [M, K] float32 -> q [M, K] int8, scale [M, K/32] float32, qsum [M, K/32] int32: cpu_matmul.quantize_rows's
+// bits (its torch steps are each one IEEE operation: max|x| / 127, 1 / scale, x * inv, round half to even, clamp),
+// one pass over x instead of torch's dozen (512 x 8192 rows: 12-17 ms in torch, 50-70% of the int8 product).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum) {
+  parallel_for(0, M * (K / kGroup), std::max<int64_t>(1, 4096 / kGroup), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {  // group i of all rows' groups, at x + 32 i
+      const float* xg = x + i * kGroup;
+#if defined(MH_AVX512)
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
+      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+      constexpr int kEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as torch.round
+      const __m512i ca = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(a, inv), kEven), lo), hi));
+      const __m512i cb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(b, inv), kEven), lo), hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(ca));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(cb));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+#elif defined(MH_AVX2)
+      __m256 v[4], m = _mm256_setzero_ps();
+      const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xg + 8 * j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[j], magnitude));
+      }
+      const float s = mh::reduce_max(m) / 127.f;
+      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j)
+        c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+      // int32 -> int8 (in range: no saturation), the packs' lane interleaving undone by one permutation
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      const int32_t sum = _mm_cvtsi128_si32(t);
+#else
+      // the largest magnitude as the largest of the non-negative floats' bits (an integer maximum: the same value)
+      uint32_t top = 0;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, xg + j, sizeof(bits));
+        top = std::max(top, bits & 0x7FFFFFFFu);
+      }
+      float amax;
+      std::memcpy(&amax, &top, sizeof(amax));
+      const float s = amax / 127.f;
+      const float inv = s > 0.f ? 1.f / s : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        // nearbyint rounds half to even (the default rounding mode), as torch.round
+        const float v = std::min(std::max(std::nearbyint(xg[j] * inv), -127.f), 127.f);
+        const int32_t c = static_cast<int32_t>(v);
+        q[i * kGroup + j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+#endif
+      scale[i] = s;
+      qsum[i] = sum;
+    }
+  });
 }
 
 }  // namespace mh
