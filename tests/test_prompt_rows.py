@@ -256,3 +256,30 @@ def test_the_int8_reference_is_the_product_of_the_quantized_rows(kind: str) -> N
     assert ((got - exact).abs().max() / exact.abs().max()) < 1e-6
     alone = q8_rows_reference(quantize_rows(x[2:3]), tiles)
     assert torch.equal(alone[0], got[2].float())  # a row's bits do not depend on the other rows
+
+
+def test_int8_prompt_rows_carry_the_kernels_bits_without_them(auto: TorchBackend,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Int8 mode: the whole model's prompt logits are the same bits with the int8 kernels (``lowbit_q8_rows``,
+    ``quantize_rows``) as with them off (torch's quantize_rows and q8_rows_reference), so turning a kernel off never
+    changes an answer."""
+    from mindie_host.backends import cpu_extensions
+
+    if auto.prompt_mode != "int8":  # type: ignore[attr-defined]
+        pytest.skip("int8 mode only")
+    from mindie_host.backends import cpu_matmul
+
+    if not cpu_matmul.q8_rows_loaded():
+        pytest.skip("the int8 kernels are not built here")
+    with_kernels = prefill(auto, [0, 2])
+    active = cpu_extensions.active
+    monkeypatch.setattr(cpu_extensions, "active", lambda name: None if name == "lowbit_q8_rows" else active(name))
+    assert not cpu_matmul.q8_rows_loaded()
+    try:
+        assert torch.equal(prefill(auto, [0, 2]), with_kernels)
+    finally:
+        assert auto.model is not None
+        for layer in auto.model.layers:  # drop the reference's float32 integer weights
+            for weight in (*vars(layer.attn).values(), *vars(layer.mlp).values()):
+                if isinstance(weight, LowBitWeight):
+                    weight._int_values = None

@@ -46,8 +46,9 @@ def loaded() -> bool:
 
 
 def q8_rows_loaded() -> bool:
-    """Whether the active kernels have the int8 prompt-row product (``lowbit_q8_rows``; never builds them)."""
-    mod = cpu_extensions.active("lowbit_matmul")
+    """Whether the active kernels have the int8 prompt-row product (``lowbit_q8_rows``, which the self-check may turn
+    off on its own; never builds them)."""
+    mod = cpu_extensions.active("lowbit_q8_rows")
     return mod is not None and bool(getattr(mod, "has_q8_rows", False))
 
 

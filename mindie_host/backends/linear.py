@@ -317,12 +317,10 @@ class LowBitWeight:
         with integer sums, the scales applied per group; each row's bits do not depend on the others. The kernel
         when it is on, else torch with the same bits (:func:`~mindie_host.backends.cpu_matmul.q8_rows_reference`)."""
         assert self.tiles is not None
-        rows = cpu_matmul.quantize_rows(x)
-        if cpu_matmul.q8_rows_loaded():
-            return self.tiles.q8_rows(rows)
-        if self._int_values is None:
-            self._int_values = self.tiles.int_values()
-        return cpu_matmul.q8_rows_reference(rows, self.tiles, self._int_values)
+        rows = cpu_matmul.quantize_rows_kernel(x)
+        if not cpu_matmul.q8_rows_loaded() and self._int_values is None:
+            self._int_values = self.tiles.int_values()  # the reference's integer weights, kept
+        return self.tiles.q8_rows(rows, self._int_values)
 
     def keep_prompt_copy(self, weight: torch.Tensor) -> None:
         """Keep ``weight`` (the file's values, dense) in bfloat16 for the prompt rows of batch-invariant steps."""
