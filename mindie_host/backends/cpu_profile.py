@@ -40,7 +40,7 @@ ARCH = {"avx2": "x86_64", "avx512": "x86_64", "neon": "aarch64"}
 #: the environment variable that forces a profile
 ENV = "MINDIE_HOST_CPU_ISA"
 
-#: /proc/cpuinfo flags each x86 variant needs (x86-64-v3 for avx2; x86-64-v4 and AVX512-BF16 for avx512)
+#: /proc/cpuinfo flags each x86 variant needs (x86-64-v3 for avx2; x86-64-v4, AVX512-BF16 and AVX512-VNNI for avx512)
 REQUIRED_FLAGS = {
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
     "avx512": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx512f", "avx512bw",
