@@ -246,7 +246,7 @@ def check_windowed_steps(backend: Any, hf: Path) -> None:
     """The steps of :func:`test_a_windowed_tokens_bits_do_not_depend_on_its_step` on a loaded ``backend``."""
     import torch
 
-    from mindie_host.backends.base import ModelInput
+    from mindie_host.api import ModelInput
 
     vocab = json.loads((hf / "config.json").read_text()).get("vocab_size") or 49152
     ps = prompts(vocab)
