@@ -26,7 +26,8 @@ from mindie_host.testing import make_tiny_llama, server_config
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 DIST = "mindie-scheduler-spf"
 
-#: tokens of the request that holds the only batch slot while the others queue (seconds on a tiny model)
+#: the most tokens of the request that holds the only batch slot while the others queue: its client hangs up as
+#: soon as all four wait (the server then aborts it), so this only bounds a very slow machine's wait
 BUSY = 6000
 
 
@@ -65,6 +66,7 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
     path.write_text(json.dumps(cfg))
     s = cfg["ServerConfig"]
     url, mgmt = f"http://127.0.0.1:{s['port']}", f"http://127.0.0.1:{s['managementPort']}"
+    metrics = f"http://127.0.0.1:{s['metricsPort']}/metrics"
     proc = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", "serve", "--config", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -83,6 +85,16 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
         finished: dict[str, float] = {}
 
         busy_running = threading.Event()
+        all_queued = threading.Event()
+
+        def watch_queue() -> None:
+            """Set ``all_queued`` once the server reports the four requests waiting behind "busy"."""
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and not all_queued.is_set():
+                for line in httpx.get(metrics, timeout=10).text.splitlines():
+                    if line.startswith("num_requests_waiting") and float(line.rsplit(" ", 1)[1]) >= 4:
+                        all_queued.set()
+                time.sleep(0.1)
 
         def send(name: str, words: int, max_tokens: int, delay: float) -> None:
             body = {"model": "tiny", "prompt": "hello " * words, "max_tokens": max_tokens, "temperature": 0,
@@ -93,6 +105,8 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
                     assert r.status_code == 200, r.read()
                     for _ in r.iter_lines():
                         busy_running.set()
+                        if all_queued.is_set():
+                            break  # hang up: the server aborts it and serves the queue in its policy's order
             else:  # the others arrive in order once "busy" runs (a loaded machine may delay any thread)
                 assert busy_running.wait(120), "busy never started"
                 time.sleep(delay)
@@ -105,8 +119,11 @@ def _serve_and_order(cfg: dict[str, Any], tmp_path: Path) -> list[str]:
         # "busy" holds the only batch slot while the others queue up: long, short, long, short
         jobs = [("busy", 4, BUSY, 0.0), ("long-1", 300, 16, 0.0), ("short-1", 5, 16, 0.3),
                 ("long-2", 300, 16, 0.6), ("short-2", 5, 16, 0.9)]
-        with ThreadPoolExecutor(len(jobs)) as pool:
+        with ThreadPoolExecutor(len(jobs) + 1) as pool:
+            watcher = pool.submit(watch_queue)
             list(pool.map(lambda j: send(*j), jobs))
+            all_queued.set()
+            watcher.result()
         assert done[0] == "busy" and finished["busy"] > max(sent.values()), "the queue never formed"
         return done[1:]
     finally:
