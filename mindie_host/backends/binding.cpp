@@ -123,32 +123,18 @@ class Kernels {
     const auto act = lowbit_takes_bfloat16() ? at::kBFloat16 : at::kFloat;
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == act && x.is_contiguous(), "x: [M, K] ", act, " for the ",
                 k_->variant, " kernels");
-    const bool int4 = codes.scalar_type() == at::kByte;
-    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
-    TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
-    // float32 scales, or the file's float16 ones (the kernel converts them exactly); offsets of the same dtype
-    const bool half = scale.scalar_type() == at::kHalf;
-    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) &&
-                    (offset.numel() == 0 || offset.scalar_type() == scale.scalar_type()) &&
-                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32 or float16, alike");
-    TORCH_CHECK(!half || k_->abi >= 2, "float16 scales: a kernel library of interface version 2 or later");
-    const int64_t M = x.size(0), K = x.size(1), NT = codes.size(0), P = codes.size(1);
-    TORCH_CHECK(group_size > 0 && K == 2 * P && K % group_size == 0 && group_size % 2 == 0 && NT * 32 >= N && N > 0,
-                "shapes");
-    const int64_t G = K / group_size;
-    // an empty offset: every group's is -8 * scale (4-bit codes) or 0 (8-bit), derived in the kernel
-    const bool derived = offset.numel() == 0;
-    TORCH_CHECK(scale.numel() == NT * G * 32 && (derived || offset.numel() == NT * G * 32),
-                "scale, offset: [NT, G, 32] (offset may be empty)");
+    const int64_t M = x.size(0), K = x.size(1);
+    const Tiles t = check_tiles(codes, scale, offset, K, N, group_size, 2, "shapes",
+                                "scale, offset: [NT, G, 32] (offset may be empty)");
     auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-    if (M > 0 && half)
-      k_->lowbit_matmul_f16(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
+    if (M > 0 && t.half)
+      k_->lowbit_matmul_f16(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
                             static_cast<const uint16_t*>(scale.data_ptr()),
-                            derived ? nullptr : static_cast<const uint16_t*>(offset.data_ptr()), N, group_size,
+                            t.derived ? nullptr : static_cast<const uint16_t*>(offset.data_ptr()), N, group_size,
                             out.data_ptr<float>());
     else if (M > 0)
-      k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT,
-                        scale.data_ptr<float>(), derived ? nullptr : offset.data_ptr<float>(), N, group_size,
+      k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
+                        scale.data_ptr<float>(), t.derived ? nullptr : offset.data_ptr<float>(), N, group_size,
                         out.data_ptr<float>());
     return out;
   }
@@ -166,24 +152,16 @@ class Kernels {
                     xscale.size(0) == M && xscale.size(1) == G, "xscale: [M, K/32] float32");
     TORCH_CHECK(xqsum.dim() == 2 && xqsum.scalar_type() == at::kInt && xqsum.is_contiguous() &&
                     xqsum.size(0) == M && xqsum.size(1) == G, "xqsum: [M, K/32] int32");
-    const bool int4 = codes.scalar_type() == at::kByte;
-    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
-    TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
-    const bool half = scale.scalar_type() == at::kHalf;
-    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) &&
-                    (offset.numel() == 0 || offset.scalar_type() == scale.scalar_type()) &&
-                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32 or float16, alike");
-    const int64_t NT = codes.size(0), P = codes.size(1);
-    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K == 2 * P && K % group_size == 0 && NT * 32 >= N && N > 0,
-                "shapes (the weights' group size a multiple of 32)");
-    const bool derived = offset.numel() == 0;
-    TORCH_CHECK(scale.numel() == NT * (K / group_size) * 32 && (derived || offset.numel() == scale.numel()),
-                "scale, offset: [NT, K / group_size, 32] (offset may be empty)");
+    // (the group size a multiple of 32: each of the rows' groups lies in one group of the weights)
+    const Tiles t = check_tiles(codes, scale, offset, K, N, group_size, 32,
+                                "shapes (the weights' group size a multiple of 32)",
+                                "scale, offset: [NT, K / group_size, 32] (offset may be empty)");
     auto out = at::empty({M, N}, xscale.options());
     if (M > 0)
       k_->lowbit_q8_rows(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data_ptr<int32_t>(), M, K,
-                         static_cast<const uint8_t*>(codes.data_ptr()), int4 ? 1 : 0, NT, scale.data_ptr(),
-                         derived ? nullptr : offset.data_ptr(), half ? 1 : 0, N, group_size, out.data_ptr<float>());
+                         static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT, scale.data_ptr(),
+                         t.derived ? nullptr : offset.data_ptr(), t.half ? 1 : 0, N, group_size,
+                         out.data_ptr<float>());
     return out;
   }
 
@@ -215,6 +193,40 @@ class Kernels {
   }
 
  private:
+  // What check_tiles found out about a product's low-bit tiles.
+  struct Tiles {
+    bool int4;     // 4-bit codes (uint8 pairs), else int8
+    bool half;     // float16 scales (and offsets), else float32
+    bool derived;  // no offsets stored: every group's is -8 * scale (4-bit codes) or 0 (8-bit), derived in the kernel
+    int64_t NT;    // tiles of 32 output columns
+  };
+
+  // The checks lowbit_matmul and lowbit_q8_rows make of the tiles both read (codes [NT, K/2, 32] uint8 or
+  // [NT, K/2, 64] int8; scale and offset [NT, K / group_size, 32]) against the activations' K and the outputs' N,
+  // in one order; the weights' group size must be a multiple of ``group_multiple``. ``shapes_what`` and
+  // ``scales_what`` are the messages of the shape and scale-size checks, which each product words its own way.
+  Tiles check_tiles(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset, int64_t K, int64_t N,
+                    int64_t group_size, int64_t group_multiple, const char* shapes_what,
+                    const char* scales_what) const {
+    const bool int4 = codes.scalar_type() == at::kByte;
+    TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (int4 || codes.scalar_type() == at::kChar), "codes");
+    TORCH_CHECK(codes.size(2) == (int4 ? 32 : 64), "codes: 32 columns a tile");
+    // float32 scales, or the file's float16 ones (the kernel converts them exactly); offsets of the same dtype
+    const bool half = scale.scalar_type() == at::kHalf;
+    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) &&
+                    (offset.numel() == 0 || offset.scalar_type() == scale.scalar_type()) &&
+                    scale.is_contiguous() && offset.is_contiguous(), "scale, offset: float32 or float16, alike");
+    // (always true for lowbit_q8_rows, which takes interface version 3)
+    TORCH_CHECK(!half || k_->abi >= 2, "float16 scales: a kernel library of interface version 2 or later");
+    const int64_t NT = codes.size(0), P = codes.size(1);
+    TORCH_CHECK(group_size > 0 && group_size % group_multiple == 0 && K == 2 * P && K % group_size == 0 &&
+                    NT * 32 >= N && N > 0, shapes_what);
+    const int64_t G = K / group_size;
+    const bool derived = offset.numel() == 0;
+    TORCH_CHECK(scale.numel() == NT * G * 32 && (derived || offset.numel() == NT * G * 32), scales_what);
+    return {int4, half, derived, NT};
+  }
+
   static void check_heads(const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.stride(1) == t.size(2),
                 name, ": [T, heads, D] float32, each row's heads contiguous");
