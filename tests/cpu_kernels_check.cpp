@@ -139,6 +139,16 @@ uint16_t to_half(float f) {
   return uint16_t(((b >> 16) & 0x8000u) | ((((b >> 23) & 0xFFu) - 112) << 10) | ((b >> 13) & 0x3FFu));
 }
 
+// Weight row n's code at input i into the tiles of 32 rows lowbit_matmul and lowbit_q8_rows read (P = K / 2 pairs
+// of inputs a tile): a 4-bit code (0..15) as a nibble of bytes [P][32], an int8 one into bytes [P][32][2].
+void put_code(std::vector<uint8_t>& codes, bool int4, int64_t P, int64_t n, int64_t i, int code) {
+  uint8_t* tile = codes.data() + (n / 32) * P * (int4 ? 32 : 64);
+  if (int4)
+    tile[(i / 2) * 32 + n % 32] |= uint8_t(code << (4 * (i % 2)));
+  else
+    tile[(i / 2) * 64 + (n % 32) * 2 + i % 2] = uint8_t(int8_t(code));
+}
+
 // The low-bit product's inputs come from integers alone (their own generator, exact float arithmetic), so they are
 // the same bits on every architecture, and the "bits" line can be compared between variants built for different
 // CPUs (the neon variant's with the avx2 variant's: the same fused multiply-adds in the same order).
@@ -156,11 +166,7 @@ void check_lowbit(const mh_kernels* k, bool int4) {
       for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
         const int code = int4 ? int(rng() % 16) : int(rng() % 255) - 127;
         w[n * K + c] = code * sc + off;
-        uint8_t* tile = codes.data() + (n / 32) * P * (int4 ? 32 : 64);
-        if (int4)
-          tile[(c / 2) * 32 + n % 32] |= uint8_t(code << (4 * (c % 2)));
-        else
-          tile[(c / 2) * 64 + (n % 32) * 2 + c % 2] = uint8_t(int8_t(code));
+        put_code(codes, int4, P, n, c, code);
       }
     }
   std::vector<float> x(M * K);
@@ -219,11 +225,7 @@ void check_q8_rows(const mh_kernels* k, bool int4, bool stored, int64_t gs) {
     for (int64_t i = 0; i < K; ++i) {
       const int code = int4 ? int(rng() % 16) : int(rng() % 256) - 128;
       c[n * K + i] = int4 && !stored ? code - 8 : code;  // the weight's integer value
-      uint8_t* tile = codes.data() + (n / 32) * P * (int4 ? 32 : 64);
-      if (int4)
-        tile[(i / 2) * 32 + n % 32] |= uint8_t(code << (4 * (i % 2)));
-      else
-        tile[(i / 2) * 64 + (n % 32) * 2 + i % 2] = uint8_t(int8_t(code));
+      put_code(codes, int4, P, n, i, code);
     }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xscale(M * G);

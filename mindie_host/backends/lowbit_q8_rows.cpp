@@ -116,15 +116,57 @@ MH_ALWAYS_INLINE int32_t quad(const int8_t* x) {
   std::memcpy(&v, x, sizeof(v));
   return v;
 }
+
+// The variant's registers of float32 columns (16 on avx512, 8 on avx2) and what scale_group does with them: the
+// same intrinsics but for their prefix (MH_PS); float16 scales come from a register of half the width.
+#if defined(MH_AVX512)
+#define MH_PS(op) _mm512_##op
+#define MH_LOAD_HALF(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+using vfloat = __m512;
+using vint = __m512i;
+#else
+#define MH_PS(op) _mm256_##op
+#define MH_LOAD_HALF(p) _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+using vfloat = __m256;
+using vint = __m256i;
+#endif
+constexpr int kLanes = sizeof(vfloat) / sizeof(float);
+MH_ALWAYS_INLINE vfloat vscales(const float* p) { return MH_PS(loadu_ps)(p); }
+MH_ALWAYS_INLINE vfloat vscales(const uint16_t* p) { return MH_PS(cvtph_ps)(MH_LOAD_HALF(p)); }
+MH_ALWAYS_INLINE vfloat vzero() { return MH_PS(setzero_ps)(); }
+MH_ALWAYS_INLINE vfloat vset1(float v) { return MH_PS(set1_ps)(v); }
+MH_ALWAYS_INLINE vfloat vadd(vfloat a, vfloat b) { return MH_PS(add_ps)(a, b); }
+MH_ALWAYS_INLINE vfloat vmul(vfloat a, vfloat b) { return MH_PS(mul_ps)(a, b); }
+MH_ALWAYS_INLINE vfloat vfloat_of(vint v) { return MH_PS(cvtepi32_ps)(v); }
+#undef MH_PS
+#undef MH_LOAD_HALF
+
+// Row group g's exact integer sums acc of a block of MR rows (xs, qs: its first row's scales and code sums) into their
+// float32 results res, two registers of columns a row from column ``col`` of the tile (scales s, stored offsets o),
+// in the file header's order: res + (scale * xscale) * float(isum), then res + (offset * xscale) * float(qsum) where
+// STORED, each product and sum rounded on its own. Both SIMD variants' blocks of rows end each group with it.
+template <int MR, bool STORED, typename Sc>
+MH_ALWAYS_INLINE void scale_group(vfloat (&res)[MR][2], const vint (&acc)[MR][2], const Rows& R, const float* xs,
+                                  const int32_t* qs, int64_t g, const Sc* s, const Sc* o, int64_t col) {
+  const int64_t w = g / R.per;  // the weights' group
+  const vfloat s0 = vscales(s + w * kTile + col), s1 = vscales(s + w * kTile + col + kLanes);
+  vfloat o0 = vzero(), o1 = vzero();
+  if constexpr (STORED) o0 = vscales(o + w * kTile + col), o1 = vscales(o + w * kTile + col + kLanes);
+  for (int r = 0; r < MR; ++r) {
+    const vfloat xv = vset1(xs[r * R.G + g]);
+    res[r][0] = vadd(res[r][0], vmul(vmul(s0, xv), vfloat_of(acc[r][0])));
+    res[r][1] = vadd(res[r][1], vmul(vmul(s1, xv), vfloat_of(acc[r][1])));
+    if constexpr (STORED) {
+      const vfloat qv = vset1(static_cast<float>(qs[r * R.G + g]));
+      res[r][0] = vadd(res[r][0], vmul(vmul(o0, xv), qv));
+      res[r][1] = vadd(res[r][1], vmul(vmul(o1, xv), qv));
+    }
+  }
+}
 #endif
 
 #if defined(MH_AVX512)
 // -- avx512: VPDPBUSD, 16 columns a register ------------------------------------------------------------------------
-
-inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scales16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // Rows x[0 .. MR) of the tile whose quads are in buf (scales s, stored offsets o), columns n0 .. n0 + 32 of out.
 template <int MR, bool STORED, typename Sc>
@@ -147,20 +189,7 @@ void rows_block(const Rows& R, int64_t m, const uint8_t* buf, const Sc* s, const
         acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
       }
     }
-    const int64_t w = g / R.per;
-    const __m512 s0 = scales16(s + w * kTile), s1 = scales16(s + w * kTile + 16);
-    __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
-    if constexpr (STORED) o0 = scales16(o + w * kTile), o1 = scales16(o + w * kTile + 16);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_set1_ps(xs[r * R.G + g]);
-      res[r][0] = _mm512_add_ps(res[r][0], _mm512_mul_ps(_mm512_mul_ps(s0, xv), _mm512_cvtepi32_ps(acc[r][0])));
-      res[r][1] = _mm512_add_ps(res[r][1], _mm512_mul_ps(_mm512_mul_ps(s1, xv), _mm512_cvtepi32_ps(acc[r][1])));
-      if constexpr (STORED) {
-        const __m512 qv = _mm512_set1_ps(static_cast<float>(qs[r * R.G + g]));
-        res[r][0] = _mm512_add_ps(res[r][0], _mm512_mul_ps(_mm512_mul_ps(o0, xv), qv));
-        res[r][1] = _mm512_add_ps(res[r][1], _mm512_mul_ps(_mm512_mul_ps(o1, xv), qv));
-      }
-    }
+    scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, 0);
   }
   for (int j = 0; j < 2; ++j) {
     const int64_t c0 = n0 + j * 16, cols = std::min<int64_t>(16, N - c0);
@@ -188,9 +217,6 @@ void tile_rows(const Rows& R, int64_t M, const uint8_t* buf, const Sc* s, const 
 
 #elif defined(MH_AVX2)
 // -- avx2: VPMADDUBSW + VPMADDWD, 8 columns a register, a tile in two halves of 16 columns --------------------------
-
-inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Rows x[0 .. MR) over half h (16 columns) of the tile whose quads are in buf.
 template <int MR, bool INT4, bool STORED, typename Sc>
@@ -237,20 +263,7 @@ void rows_block(const Rows& R, int64_t m, const uint8_t* buf, int h, const Sc* s
         }
       }
     }
-    const int64_t w = g / R.per;
-    const __m256 s0 = scales8(s + w * kTile + h * 16), s1 = scales8(s + w * kTile + h * 16 + 8);
-    __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps();
-    if constexpr (STORED) o0 = scales8(o + w * kTile + h * 16), o1 = scales8(o + w * kTile + h * 16 + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_set1_ps(xs[r * R.G + g]);
-      res[r][0] = _mm256_add_ps(res[r][0], _mm256_mul_ps(_mm256_mul_ps(s0, xv), _mm256_cvtepi32_ps(acc[r][0])));
-      res[r][1] = _mm256_add_ps(res[r][1], _mm256_mul_ps(_mm256_mul_ps(s1, xv), _mm256_cvtepi32_ps(acc[r][1])));
-      if constexpr (STORED) {
-        const __m256 qv = _mm256_set1_ps(static_cast<float>(qs[r * R.G + g]));
-        res[r][0] = _mm256_add_ps(res[r][0], _mm256_mul_ps(_mm256_mul_ps(o0, xv), qv));
-        res[r][1] = _mm256_add_ps(res[r][1], _mm256_mul_ps(_mm256_mul_ps(o1, xv), qv));
-      }
-    }
+    scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, h * 16);
   }
   const int64_t c0 = n0 + h * 16, cols = std::min<int64_t>(16, N - c0);
   for (int r = 0; r < MR; ++r) {
