@@ -9,14 +9,23 @@ the CPU profile's dtype) must stay within bfloat16 error of it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from mindie_host.backends import cpu_matmul
+from mindie_host.backends import cpu_matmul, cpu_profile
 from mindie_host.backends.base import ModelInput
-from mindie_host.backends.linear import FourBitWeight, Int8Weight, LowBitWeight, PackedWeight, mkl_packing_available
+from mindie_host.backends.cpu_matmul import LowBitTiles
+from mindie_host.backends.linear import (
+    FourBitWeight,
+    Int8Weight,
+    LowBitWeight,
+    PackedWeight,
+    PromptRows,
+    mkl_packing_available,
+)
 from mindie_host.backends.platform import Platform
 from mindie_host.backends.torch.backend import TorchBackend
 from mindie_host.config import ConfigError, config_from_dict
@@ -178,6 +187,39 @@ def test_auto_reads_the_files_low_bit_form_and_agrees_with_none(tmp_path: Path,
     auto, none = loaded(path, "auto"), loaded(path, "none")
     big = LowBitWeight.max_rows + 2
     assert torch.equal(decode_logits(auto, big), decode_logits(none, big))
+
+
+def test_int8_prompt_rows_build_each_matrixs_tiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With int8 prompt rows, :meth:`Platform.prepare_linear` builds a low-bit matrix's tiles once: a Q4_0 matrix
+    (groups of 32) multiplies its prompt rows in int8; a Q6_K head (unpacked as 8-bit groups of 16, which int8 rows
+    cannot take) keeps the weight built for that check, prompt rows through its low-bit kernel."""
+    if cpu_profile.profile().int8_products is None:
+        pytest.skip("int8 prompt rows need a CPU profile with native int8 products")
+    monkeypatch.setenv("MINDIE_HOST_PROMPT_INT8", "1")
+    built: list[LowBitTiles] = []
+    init = LowBitTiles.__init__
+
+    def counted(self: LowBitTiles, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LowBitTiles, "__init__", counted)
+    rng = np.random.default_rng(0)
+    scale = (rng.random((VOCAB, HIDDEN // 32), dtype=np.float32) + 0.5) / 64
+    q4_0 = FourBitGroups(rng.integers(0, 16, (VOCAB, HIDDEN), dtype=np.uint8), scale, -8 * scale, 32)
+    q6_k = EightBitGroups(rng.integers(-32, 32, (VOCAB, HIDDEN), dtype=np.int8),
+                          (rng.random((VOCAB, HIDDEN // 16), dtype=np.float32) + 0.5) / 64, 16)
+    platform = Platform()
+    platform.plan_prompt_copies(2 * VOCAB * HIDDEN * 2)
+    for groups, kind, int8_rows in ((q4_0, FourBitWeight, True), (q6_k, Int8Weight, False)):
+        built.clear()
+        weight = platform.prepare_linear(torch.from_numpy(groups.dequantize()), groups)
+        assert isinstance(weight, kind) and weight.prompt_int8 == int8_rows and weight.prompt_weight is None
+        assert len(built) == 1 and built[0] is weight.tiles
+        x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+        prompt = weight(x, None, PromptRows(torch.ones(5, dtype=torch.bool)))
+        ref = x @ torch.from_numpy(groups.dequantize()).T
+        assert (prompt - ref).abs().max().item() < 0.05 * ref.abs().max().item()
 
 
 def test_quantization_is_validated_by_name() -> None:

@@ -49,6 +49,12 @@ if TYPE_CHECKING:
     from .base import ModelInput
 
 
+def _low_bit_weight(stored: FourBitGroups | EightBitGroups, dense: Any) -> Int8Weight | FourBitWeight:
+    """The file's low-bit form ``stored`` as the weight that multiplies it (its tiles built here), with ``dense``
+    (None in batch-invariant mode) for products above the low-bit kernel's rows."""
+    return Int8Weight(stored, dense) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, dense)
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step tensors describing where each new token goes and what it attends to.
@@ -190,26 +196,27 @@ class Platform:
             return PackedWeight(dense()) if mkl_packing_available() else dense()
         prompt_copy = prompt_bf16_enabled() and self.prompt_copies
         if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
+            low: LowBitWeight | None = None
             if prompt_int8_enabled():  # int8 prompt rows: the low-bit form serves every row, kernel on or off
-                low = Int8Weight(stored, None) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, None)
+                low = _low_bit_weight(stored, None)
                 if low.use_int8_prompts():
                     return low
             if not cpu_matmul.loaded():
                 if not prompt_copy:
                     return PackedWeight(dense()) if mkl_packing_available() else dense()
-                low: LowBitWeight = ReferenceWeight(dense())
-            else:
-                low = Int8Weight(stored, None) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, None)
+                low = ReferenceWeight(dense())
+            elif low is None:  # else the weight built above serves (its groups int8 rows cannot take: Q6_K's 16)
+                low = _low_bit_weight(stored, None)
             if prompt_copy:
                 low.keep_prompt_copy(dense())
             return low
         if not cpu_matmul.loaded():
             return PackedWeight(dense()) if mkl_packing_available() else dense()
-        low_bit: type[LowBitWeight] = Int8Weight if isinstance(stored, EightBitGroups) else FourBitWeight
         # the dense copy serves only products above the low-bit kernel's rows: pack just those buckets
-        buckets = tuple(b for b in PackedWeight.BUCKETS if b > low_bit.max_rows)
+        max_rows = (Int8Weight if isinstance(stored, EightBitGroups) else FourBitWeight).max_rows
+        buckets = tuple(b for b in PackedWeight.BUCKETS if b > max_rows)
         packed: Any = PackedWeight(dense(), buckets) if mkl_packing_available() and buckets else dense()
-        return Int8Weight(stored, packed) if isinstance(stored, EightBitGroups) else FourBitWeight(stored, packed)
+        return _low_bit_weight(stored, packed)
 
     def prepare_int8(self, matrix: Int8Matrix, dtype: torch.dtype = torch.float32) -> Any:
         """Turn an int8 matrix of the ``w8a16`` / ``w8a8`` schemes into a weight :meth:`linear` calls
