@@ -11,7 +11,8 @@ a step with ``m`` drafts from ``--costs`` (a step's cost against a plain step, b
 predicted tokens/s ratio to plain decoding (TTFT included, as ``bench/spec_bench.py`` counts it).
 
 Rules replayed: the plugin's :class:`~mindie_plugin_llma.NgramIndex` with and without its copy cursor, the old
-k rule (one more than accepted, at most k) and the current one (doubling after a fully accepted run), several
+k rule (one more than accepted, at most k) and the current one (doubling after a fully accepted run), with and
+without the cap of two drafts on matches of at most two tokens, several
 n-gram ranges; and an **oracle**: at each step the occurrence of the longest suffix n-gram whose continuation
 matches the output furthest, with exactly the accepted drafts verified (no wasted row). No n-gram proposer can
 beat the oracle on these outputs at these costs: it bounds what reference copy can give on the load.
@@ -111,10 +112,10 @@ def replay(outputs: dict[str, Any], load: str, costs: Costs, prefill: float,
 class PluginRule:
     """The plugin's index and a k rule: ``double`` (the plugin's) or ``plus-one`` (before the copy cursor)."""
 
-    def __init__(self, min_n: int, max_n: int, k_max: int, cursor: bool, rule: str) -> None:
+    def __init__(self, min_n: int, max_n: int, k_max: int, cursor: bool, rule: str, short: int = 0) -> None:
         from mindie_plugin_llma import NgramIndex
 
-        self.index = NgramIndex(min_n, max_n)
+        self.index = NgramIndex(min_n, max_n, short, 2)  # matches of at most ``short`` tokens: 2 drafts
         self.k = self.k_max = k_max
         self.cursor, self.rule = cursor, rule
 
@@ -177,7 +178,11 @@ def main() -> int:
         ("before: latest occurrence, n-grams 3..2, k=4, +1 rule", lambda: PluginRule(2, 3, 4, False, "plus-one")),
         ("latest occurrence, n-grams 3..1, k=8, doubling", lambda: PluginRule(1, 3, 8, False, "double")),
         ("cursor, n-grams 3..2, k=8, doubling", lambda: PluginRule(2, 3, 8, True, "double")),
-        ("**plugin now: cursor, n-grams 3..1, k=8, doubling**", lambda: PluginRule(1, 3, 8, True, "double")),
+        ("cursor, n-grams 3..1, k=8, doubling", lambda: PluginRule(1, 3, 8, True, "double")),
+        ("**plugin now: cursor, n-grams 3..1, k=8, doubling, matches of <= 2 tokens: 2 drafts**",
+         lambda: PluginRule(1, 3, 8, True, "double", short=2)),
+        ("cursor, n-grams 3..1, k=16, doubling, matches of <= 2 tokens: 2 drafts",
+         lambda: PluginRule(1, 3, 16, True, "double", short=2)),
         ("cursor, n-grams 3..1, k=16, doubling", lambda: PluginRule(1, 3, 16, True, "double")),
         ("cursor, n-grams 5..1, k=8, doubling", lambda: PluginRule(1, 5, 8, True, "double")),
         ("oracle, n-grams 3..2, k<=16", lambda: Oracle(2, 3, 16)),

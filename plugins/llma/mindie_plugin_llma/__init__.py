@@ -11,8 +11,8 @@ There is no extra model and the lookup costs microseconds per sequence.
 Enabled per model::
 
     "ModelConfig": [{"plugin_params": "{\\"plugin_type\\":\\"llma\\"}", ...}]
-    "Plugins": {"llma": {"numSpeculativeTokens": 8, "maxNgram": 3, "minNgram": 1, "maxBatchSize": 8,
-                         "maxStepDrafts": 8}}
+    "Plugins": {"llma": {"numSpeculativeTokens": 8, "maxNgram": 3, "minNgram": 1, "shortMatch": 2,
+                         "shortMatchDrafts": 2, "maxBatchSize": 8, "maxStepDrafts": 8}}
 
 A request opts out with ``"speculative_decoding": false`` in its body.
 """
@@ -52,6 +52,11 @@ class Params(BaseModel):
     maxNgram: StrictInt = Field(default=3, ge=1, le=16)
     #: the shortest n-gram looked up: the minimum match length
     minNgram: StrictInt = Field(default=1, ge=1, le=16)
+    #: a match of at most this many tokens (the n-gram and the agreeing tokens before it) is often chance: it
+    #: proposes at most ``shortMatchDrafts`` (0: no such cap)
+    shortMatch: StrictInt = Field(default=2, ge=0, le=16)
+    #: the most drafts a short match proposes
+    shortMatchDrafts: StrictInt = Field(default=2, ge=1, le=16)
     #: no drafts in a step with more decoding sequences than this: verification then costs more than it saves
     maxBatchSize: StrictInt = Field(default=8, ge=1, le=4096)
     #: the most drafts in one step, shared evenly by its decoding sequences (at least one each): a verification
@@ -100,7 +105,8 @@ def mindie_host_propose_drafts(ctx: EngineContext, seqs: list[DraftRequest]) -> 
             continue
         index = indexes.get(s.request_id)
         if index is None:
-            index = indexes[s.request_id] = NgramIndex(params.minNgram, params.maxNgram)
+            index = indexes[s.request_id] = NgramIndex(params.minNgram, params.maxNgram, params.shortMatch,
+                                                       params.shortMatchDrafts)
         k = ctx.state.k.get(s.request_id, params.numSpeculativeTokens)
         tokens = index.propose(s.token_ids, min(k, share, s.max_drafts))
         out.append(Drafts(tokens) if tokens else None)

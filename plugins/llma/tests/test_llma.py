@@ -44,14 +44,28 @@ def test_lookup_resumes_a_copy_at_its_cursor() -> None:
     assert fresh.propose(instruction + [70], 3) == [99, 70]
 
 
+def test_a_short_match_proposes_few_drafts() -> None:
+    """A match of at most ``short_match`` agreeing tokens is often chance: it proposes at most ``short_drafts``."""
+    capped = NgramIndex(1, 3, short_match=2, short_drafts=2)
+    assert capped.propose([5, 1, 2, 3, 4, 6, 7, 8, 9, 1], 8) == [2, 3]  # one token agrees
+    assert capped.match == 1
+    assert NgramIndex(1, 3, 2, 2).propose([5, 1, 2, 3, 4, 6, 7, 8, 9, 5, 1], 8) == [2, 3]  # two agree
+    longer = [0, 5, 1, 2, 3, 4, 6, 7, 0, 5, 1]  # three agree: not short
+    assert NgramIndex(1, 3, 2, 2).propose(longer, 5) == [2, 3, 4, 6, 7]
+    # the tokens before the n-gram count too: a 1-gram whose two tokens before it agree as well
+    one = NgramIndex(1, 1, 2, 2)
+    assert one.propose(longer, 5) == [2, 3, 4, 6, 7] and one.match == 3
+    assert NgramIndex(1, 3).propose([5, 1, 2, 3, 4, 6, 7, 8, 9, 1], 8) == [2, 3, 4, 6, 7, 8, 9, 1]  # no cap
+
+
 def test_a_step_shares_its_draft_budget() -> None:
     """``maxStepDrafts`` is shared by the step's decoding sequences: k each alone, fewer each in a batch."""
     ctx = SimpleNamespace(params=mindie_plugin_llma.Params(numSpeculativeTokens=8, maxStepDrafts=8),
                           state=mindie_plugin_llma.State())
-    tokens = list(range(1, 13)) + [1, 2]  # "1 2" occurred before: twelve tokens to copy
+    tokens = list(range(1, 13)) + [1, 2, 3]  # "1 2 3" occurred before: nine tokens to copy
 
     def step(n: int) -> list[int] | None:
-        seqs = [DraftRequest(i, f"r{n}-{i}", list(tokens), 12, SamplingParams(), {}, -1, 100) for i in range(n)]
+        seqs = [DraftRequest(i, f"r{n}-{i}", list(tokens), 13, SamplingParams(), {}, -1, 100) for i in range(n)]
         got = mindie_plugin_llma.mindie_host_propose_drafts(ctx, seqs)
         return None if got is None else [len(d.tokens) if d else 0 for d in got]
 
