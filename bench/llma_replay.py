@@ -160,6 +160,52 @@ class Oracle:
         pass
 
 
+class BestOccurrence(Oracle):
+    """Half the oracle: the occurrence that matches the output furthest, drafts as many as the plugin's k rule says
+    (rows past the accepted ones are wasted, as the plugin wastes them)."""
+
+    def __init__(self, min_n: int, max_n: int, k_max: int) -> None:
+        super().__init__(min_n, max_n, k_max)
+        self.k = k_max
+
+    def propose(self, tokens: list[int], out: list[int], pos: int, room: int) -> list[int]:
+        room = min(room, self.k)
+        end = len(tokens) - 1
+        for n in self.sizes:
+            suffix = tokens[end + 1 - n :]
+            best, best_end = -1, -1
+            for e in range(n - 1, end):
+                if tokens[e + 1 - n : e + 1] == suffix:
+                    a = 0
+                    while a < room and e + 1 + a <= end and tokens[e + 1 + a] == out[pos + a]:
+                        a += 1
+                    if a > best:
+                        best, best_end = a, e
+            if best_end >= 0:
+                return tokens[best_end + 1 : min(best_end + 1 + room, end + 1)]
+        return []
+
+    def outcome(self, proposed: int, accepted: int) -> None:
+        from mindie_plugin_llma import next_k
+
+        self.k = next_k(self.k_max, proposed, accepted)
+
+
+class NoWastedRows(PluginRule):
+    """The other half: the plugin's occurrence and k, but only the drafts that will be accepted are verified."""
+
+    def propose(self, tokens: list[int], out: list[int], pos: int, room: int) -> list[int]:
+        drafts = super().propose(tokens, out, pos, room)
+        self.proposed = len(drafts)
+        a = 0
+        while a < len(drafts) and drafts[a] == out[pos + a]:
+            a += 1
+        return drafts[:a]
+
+    def outcome(self, proposed: int, accepted: int) -> None:
+        super().outcome(self.proposed, accepted)  # the plugin's state moves as if it had verified them all
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", default="/tmp/llma_replay_outputs.json", help="the greedy outputs (JSON)")
@@ -185,6 +231,8 @@ def main() -> int:
          lambda: PluginRule(1, 3, 16, True, "double", short=2)),
         ("cursor, n-grams 3..1, k=16, doubling", lambda: PluginRule(1, 3, 16, True, "double")),
         ("cursor, n-grams 5..1, k=8, doubling", lambda: PluginRule(1, 5, 8, True, "double")),
+        ("half oracle: the best occurrence, the plugin's k rule (k=8)", lambda: BestOccurrence(1, 3, 8)),
+        ("half oracle: the plugin's occurrence and k, no wasted row", lambda: NoWastedRows(1, 3, 8, True, "double", 2)),
         ("oracle, n-grams 3..2, k<=16", lambda: Oracle(2, 3, 16)),
         ("oracle, n-grams 3..1, k<=16", lambda: Oracle(1, 3, 16)),
         ("oracle, n-grams 3..1, k<=64", lambda: Oracle(1, 3, 64)),
