@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,24 @@ from mindie_host.backends.base import ModelInput
 from mindie_host.testing import RunningServer, loaded_host, run_engine, server_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+#: the hosts a test loaded, shut down after it (a dropped host keeps its engine and its device memory until gc)
+_HOSTS: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_hosts_down() -> Iterator[None]:
+    yield
+    while _HOSTS:
+        _HOSTS.pop().shutdown()
+
+
+def _host(cfg: dict[str, Any]) -> Any:
+    """:func:`loaded_host`, shut down when the test ends."""
+    host = loaded_host(cfg)
+    _HOSTS.append(host)
+    return host
 
 
 def _requests(params: SamplingParams) -> list[EngineRequest]:
@@ -48,8 +68,8 @@ def _decode(prompts: list[list[int]], prefill: ModelInput) -> ModelInput:
 
 def test_cuda_logits_match_cpu_and_graph_logits_match_eager(tiny_model: Path) -> None:
     prompts = [r.prompt_token_ids for r in _requests(SamplingParams())]
-    cpu = loaded_host(server_config(tiny_model, model={"device": "cpu"})).backend
-    gpu = loaded_host(_cuda(tiny_model, compile=True)).backend
+    cpu = _host(server_config(tiny_model, model={"device": "cpu"})).backend
+    gpu = _host(_cuda(tiny_model, compile=True)).backend
     assert gpu.platform.name == "cuda" and gpu.model.graphs is not None
     prefill = _prefill(prompts, cpu.block_size)
     want = cpu.execute(prefill)
@@ -69,8 +89,8 @@ def test_cuda_logits_match_cpu_and_graph_logits_match_eager(tiny_model: Path) ->
 
 def test_graph_decode_gives_the_eager_tokens(tiny_model: Path) -> None:
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    eager_host = loaded_host(_cuda(tiny_model))
-    graph_host = loaded_host(_cuda(tiny_model, compile=True))
+    eager_host = _host(_cuda(tiny_model))
+    graph_host = _host(_cuda(tiny_model, compile=True))
     assert eager_host.info.device == "cuda"
     eager = run_engine(eager_host, _requests(greedy))
     graphs = run_engine(graph_host, _requests(greedy))
@@ -82,7 +102,7 @@ def test_graph_decode_gives_the_eager_tokens(tiny_model: Path) -> None:
 
 
 def test_seeded_sampling_and_penalties_on_cuda(tiny_model: Path) -> None:
-    host = loaded_host(_cuda(tiny_model, compile=True))
+    host = _host(_cuda(tiny_model, compile=True))
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=7, repetition_penalty=1.2,
                             frequency_penalty=0.5, presence_penalty=0.3, ignore_eos=True)
     first = run_engine(host, _requests(params))
