@@ -41,14 +41,13 @@ DEFAULT_COSTS = "1:1.07,2:1.14,4:1.31,8:1.87"  # bench/PERF.md, "What a verifica
 def generate(path: Path, n: int, seeds: int) -> None:
     """The default config's greedy outputs (``bench/configs/peers.json`` without compile) on both loads."""
     from copy_load import make_prompts as copy_prompts
+    from spec_steps import eager_peers_host
     from varied_load import make_prompts as varied_prompts
 
     from mindie_host.api import EngineRequest, SamplingParams
-    from mindie_host.testing import loaded_host, run_engine
+    from mindie_host.testing import run_engine
 
-    cfg = json.loads((ROOT / "bench" / "configs" / "peers.json").read_text())
-    cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["compile"] = False
-    host = loaded_host(cfg)
+    host = eager_peers_host(False)
     out: dict[str, Any] = {}
     for load, make in (("copy", copy_prompts), ("varied", varied_prompts)):
         for seed in range(seeds):
@@ -140,19 +139,27 @@ class Oracle:
         self.sizes = range(max_n, min_n - 1, -1)
         self.k_max = k_max
 
+    @staticmethod
+    def best_occurrence(tokens: list[int], out: list[int], pos: int, room: int, n: int) -> tuple[int, int]:
+        """(how many of the next ``room`` output tokens follow it, where it ends) of the earliest occurrence of the
+        suffix n-gram whose continuation matches the output furthest; (-1, -1) when the n-gram never occurred."""
+        end = len(tokens) - 1
+        suffix = tokens[end + 1 - n :]
+        best, best_end = -1, -1
+        for e in range(n - 1, end):
+            if tokens[e + 1 - n : e + 1] == suffix:
+                a = 0
+                while a < room and e + 1 + a <= end and tokens[e + 1 + a] == out[pos + a]:
+                    a += 1
+                if a > best:
+                    best, best_end = a, e
+        return best, best_end
+
     def propose(self, tokens: list[int], out: list[int], pos: int, room: int) -> list[int]:
         room = min(room, self.k_max)
-        end = len(tokens) - 1
         for n in self.sizes:
-            suffix = tokens[end + 1 - n :]
-            best = 0
-            for e in range(n - 1, end):
-                if tokens[e + 1 - n : e + 1] == suffix:
-                    a = 0
-                    while a < room and e + 1 + a <= end and tokens[e + 1 + a] == out[pos + a]:
-                        a += 1
-                    best = max(best, a)
-            if best:
+            best, _ = self.best_occurrence(tokens, out, pos, room, n)
+            if best > 0:
                 return out[pos : pos + best]
         return []
 
@@ -170,19 +177,10 @@ class BestOccurrence(Oracle):
 
     def propose(self, tokens: list[int], out: list[int], pos: int, room: int) -> list[int]:
         room = min(room, self.k)
-        end = len(tokens) - 1
         for n in self.sizes:
-            suffix = tokens[end + 1 - n :]
-            best, best_end = -1, -1
-            for e in range(n - 1, end):
-                if tokens[e + 1 - n : e + 1] == suffix:
-                    a = 0
-                    while a < room and e + 1 + a <= end and tokens[e + 1 + a] == out[pos + a]:
-                        a += 1
-                    if a > best:
-                        best, best_end = a, e
-            if best_end >= 0:
-                return tokens[best_end + 1 : min(best_end + 1 + room, end + 1)]
+            _, e = self.best_occurrence(tokens, out, pos, room, n)
+            if e >= 0:
+                return tokens[e + 1 : min(e + 1 + room, len(tokens))]
         return []
 
     def outcome(self, proposed: int, accepted: int) -> None:

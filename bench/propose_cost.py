@@ -11,24 +11,20 @@ prints the time inside ``propose`` against the run's wall time.
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
-    from mindie_host.api import EngineRequest, SamplingParams
-    from mindie_host.testing import loaded_host
+    from spec_steps import eager_peers_host
 
-    cfg = json.loads((ROOT / "bench" / "configs" / "peers.json").read_text())
-    model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
-    model["compile"] = False
-    model["plugin_params"] = json.dumps({"plugin_type": "prefix_cache,splitfuse,llma"})
-    cfg["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 64
-    host = loaded_host(cfg)
+    from mindie_host.api import EngineRequest, SamplingParams
+
+    host = eager_peers_host(True, maxBatchSize=64)
     llm = host.llm
     speculator = llm.speculator
     propose = speculator.propose

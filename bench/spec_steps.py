@@ -26,6 +26,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def eager_peers_host(llma: bool, **schedule: Any) -> Any:
+    """``bench/configs/peers.json`` loaded in this process with eager decode steps (``compile`` off), with the
+    ``llma`` plugin when asked, and ``schedule`` over its ScheduleConfig."""
+    from mindie_host.testing import loaded_host
+
+    cfg = json.loads((ROOT / "bench" / "configs" / "peers.json").read_text())
+    model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model["compile"] = False
+    if llma:
+        model["plugin_params"] = json.dumps({"plugin_type": "prefix_cache,splitfuse,llma"})
+    cfg["BackendConfig"]["ScheduleConfig"].update(schedule)
+    return loaded_host(cfg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["off", "llma"])
@@ -36,14 +50,8 @@ def main() -> int:
     from varied_load import make_prompts
 
     from mindie_host.api import EngineRequest, SamplingParams
-    from mindie_host.testing import loaded_host
 
-    cfg = json.loads((ROOT / "bench" / "configs" / "peers.json").read_text())
-    model = cfg["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
-    model["compile"] = False
-    if args.mode == "llma":
-        model["plugin_params"] = json.dumps({"plugin_type": "prefix_cache,splitfuse,llma"})
-    host = loaded_host(cfg)
+    host = eager_peers_host(args.mode == "llma")
     execute = host.backend.execute
     steps: list[tuple[int, bool, float]] = []  # (rows, has a prompt row, seconds)
 

@@ -348,6 +348,25 @@ def loaded_host(config: dict[str, Any], *, plugins: list[tuple[object, str]] | N
     return load_host(new_host(cfg, plugins=plugins))
 
 
+class LoadedHosts:
+    """Hosts a test module loads with :func:`loaded_host`, shut down together when it is done (a dropped host
+    keeps its engine, its KV pool and any device memory until the garbage collector runs)."""
+
+    def __init__(self) -> None:
+        self.hosts: list[Any] = []
+
+    def load(self, config: dict[str, Any], **kwargs: Any) -> Any:
+        """:func:`loaded_host`, remembered for :meth:`shutdown`."""
+        host = loaded_host(config, **kwargs)
+        self.hosts.append(host)
+        return host
+
+    def shutdown(self) -> None:
+        """Shut every remembered host down, the last loaded first."""
+        while self.hosts:
+            self.hosts.pop().shutdown()
+
+
 def new_host(config: dict[str, Any] | Config, *, plugins: list[tuple[object, str]] | None = None) -> Any:
     """A :class:`~mindie_host.host.Host` for ``config`` (a config dict, or a :class:`~mindie_host.api.Config`),
     with ``plugins`` (object, name) registered and nothing loaded yet: :func:`load_host` loads it."""

@@ -4,34 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from mindie_host.api import EngineRequest, SamplingParams
 from mindie_host.backends.base import ModelInput
-from mindie_host.testing import RunningServer, loaded_host, run_engine, server_config
+from mindie_host.testing import LoadedHosts, RunningServer, run_engine, server_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-#: the hosts a test loaded, shut down after it (a dropped host keeps its engine and its device memory until gc)
-_HOSTS: list[Any] = []
+#: the hosts a test loaded, shut down after it (their device memory is freed before the next test)
+_HOSTS = LoadedHosts()
+_host = _HOSTS.load
 
 
 @pytest.fixture(autouse=True)
 def _shut_hosts_down() -> Iterator[None]:
     yield
-    while _HOSTS:
-        _HOSTS.pop().shutdown()
-
-
-def _host(cfg: dict[str, Any]) -> Any:
-    """:func:`loaded_host`, shut down when the test ends."""
-    host = loaded_host(cfg)
-    _HOSTS.append(host)
-    return host
+    _HOSTS.shutdown()
 
 
 def _requests(params: SamplingParams) -> list[EngineRequest]:

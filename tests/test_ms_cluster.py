@@ -60,13 +60,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     c.stop()
 
 
+def server_metric(cluster: Cluster, name: str) -> list[float]:
+    """The metric ``name`` of each server, read from its own /metrics."""
+    return [metric_value(httpx.get(f"http://127.0.0.1:{srv['metric_port']}/metrics", timeout=10).text, name)
+            for srv in cluster.servers]
+
+
 def received(cluster: Cluster) -> list[float]:
-    """request_received_total of each server, read from its own /metrics."""
-    out = []
-    for srv in cluster.servers:
-        text = httpx.get(f"http://127.0.0.1:{srv['metric_port']}/metrics", timeout=10).text
-        out.append(metric_value(text, "request_received_total"))
-    return out
+    """request_received_total of each server."""
+    return server_metric(cluster, "request_received_total")
 
 
 def metric_value(text: str, name: str) -> float:
@@ -377,12 +379,6 @@ def test_limits_refuse_as_configured(cluster, tmp_path):
 
 
 # -- faults ----------------------------------------------------------------------------------------------------
-def running(cluster: Cluster) -> list[float]:
-    """num_requests_running of each server, read from its own /metrics."""
-    return [metric_value(httpx.get(f"http://127.0.0.1:{srv['metric_port']}/metrics", timeout=10).text,
-                         "num_requests_running") for srv in cluster.servers]
-
-
 def test_sigkill_one_server_under_load(cluster):
     url = cluster.url + "/v1/chat/completions"
     # 64 tokens: the streams on the killed server are far from done when it dies (it is killed once all six have
@@ -427,7 +423,7 @@ def test_sigkill_one_server_under_load(cluster):
             assert started == 6, started
             # the coordinator decides where each stream goes (cache affinity may put all six on one server): the
             # victim is a server that holds started streams, so the test never depends on the split or on timing
-            busy = await asyncio.to_thread(running, cluster)
+            busy = await asyncio.to_thread(server_metric, cluster, "num_requests_running")
             victim = max(range(2), key=lambda k: busy[k])
             assert busy[victim] >= 1, busy
             # plain requests that reach the victim have sent nothing yet: they are retried on the survivor

@@ -31,26 +31,20 @@ from mindie_host.config import ConfigError, config_from_dict
 from mindie_host.models.weights import resolve_model
 from mindie_host.quant import msmodelslim
 from mindie_host.quant.schemes import QuantizationError
-from mindie_host.testing import loaded_host, run_engine, server_config
+from mindie_host.testing import LoadedHosts, run_engine, server_config
 
 PROMPT = list(range(300, 348))  # 48 tokens: three 16-token blocks
 
 
-#: the hosts this module loaded, shut down when it ends (a dropped host keeps its engine and pools until gc)
-_HOSTS: list[Any] = []
+#: the hosts this module loaded, shut down when it ends
+_HOSTS = LoadedHosts()
+_host = _HOSTS.load
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _shut_hosts_down() -> Iterator[None]:
     yield
-    while _HOSTS:
-        _HOSTS.pop().shutdown()
-
-
-def _host(cfg: dict[str, Any]) -> Any:
-    host = loaded_host(cfg)
-    _HOSTS.append(host)
-    return host
+    _HOSTS.shutdown()
 
 
 def _backend(model: Path, **model_cfg: Any) -> Any:
