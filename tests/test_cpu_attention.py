@@ -69,6 +69,42 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(cpu_variant: object)
         assert torch.equal(alone[0], batch[b]), b
 
 
+def run_case(dtype: torch.dtype, runs: list[tuple[int, int]], heads: int, kv: int, dim: int,
+             seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A batch of runs (context, rows): each a sequence's verification rows, row r seeing the run's first
+    context + r slots, as the engine lays a sequence's one-token rows at consecutive positions."""
+    total = sum(n for _, n in runs)
+    q, k, v, base, _ = case(dtype, [c + n - 1 for c, n in runs], seed=seed, heads=heads, kv=kv, dim=dim)
+    q = torch.randn(total, heads, dim, generator=torch.Generator().manual_seed(seed + 1))
+    slots = torch.zeros(total, base.shape[1], dtype=base.dtype)
+    lens = []
+    at = 0
+    for b, (c, n) in enumerate(runs):
+        for r in range(n):
+            slots[at] = base[b]
+            lens.append(c + r)
+            at += 1
+    return q, k, v, slots, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(H, KV, D), (8, 2, 128), (12, 1, 128), (6, 2, 80)])
+@pytest.mark.parametrize("runs", [[(600, 9)], [(31, 2)], [(15, 5), (1, 1), (300, 3)], [(200, 17), (40, 1)],
+                                  [(1, 4)] + [(33 * i, 1) for i in range(1, 6)]])
+def test_verification_rows_get_the_bits_they_get_alone(cpu_variant: object, dtype: torch.dtype, heads: int, kv: int,
+                                                         dim: int, runs: list[tuple[int, int]]) -> None:
+    """Rows of one sequence at consecutive positions share the cache walk (a run): each row's output carries the
+    bits it gets computed alone, whatever shares its batch, and matches torch's attention. Runs alone (cut into
+    parts across threads), beside other runs, and contexts that end inside and at the edges of the kernels' blocks."""
+    q, k, v, slots, lens = run_case(dtype, runs, heads, kv, dim)
+    got = cpu_attention.decode_attention(q, k, v, slots, lens, dim ** -0.5)
+    assert got is not None
+    for b, n in enumerate(lens.tolist()):
+        alone = cpu_attention.decode_attention(q[b : b + 1], k, v, slots[b : b + 1, :n], lens[b : b + 1], dim ** -0.5)
+        assert torch.equal(alone[0], got[b]), (b, n)
+    torch.testing.assert_close(got, reference(q, k, v, slots, lens, scale=dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_platform_sends_each_kind_of_row_to_its_kernel(cpu_variant: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (a 6-token prompt chunk between two decodes) gives what torch's operators give."""
     lens, qlens = [40, 6, 300], [1, 6, 1]

@@ -5,6 +5,10 @@
 // weighted sum of values), so a sequence's output does not depend on what else is in the batch: the
 // batch-invariant decode path of mindie_host/backends/platform.py calls it for every generated token. Head dims
 // 64 and 128 take the vector paths (AVX-512, AVX2); every other head dim, and the portable variant, a plain loop.
+// On the vector paths, consecutive rows whose contexts are prefixes of one another's slots (a sequence's
+// speculative verification rows: positions p, p + 1, ... over the same blocks) share one walk over the cache, each
+// K and V row read once for all of them, every row's arithmetic unchanged (bench/PERF.md, "Verification rows share
+// the cache walk").
 //
 // prompt_attention: the n prompt tokens of one sequence (a whole prompt or a chunk of one) over its context,
 // causally. Flash-style: a task is (KV head, block of 16 query rows) and walks the visible keys in blocks with a
@@ -108,6 +112,22 @@ inline void prefetch_rows(const T* cache, const int64_t* idx, int64_t t0, int64_
 }
 #endif
 
+#if defined(MH_AVX512) || defined(MH_AVX2)
+// The query rows one vector task serves: R consecutive rows of the batch (queries and outputs H * D floats apart
+// from q and out) whose contexts are prefixes of one slot list, ``idx``: row r sees its first ctx[r] slots. One row is
+// a sequence's decode token; several are a run (decode_run), such as a sequence's verification rows, whose contexts
+// grow by one along the rows over the same blocks, so that each K and V row is read once for all of them. Every head
+// of every row is computed exactly as it would be alone: the rows share the reads, nothing else.
+struct TaskRows {
+  const float* q;
+  float* out;
+  const int64_t* ctx;  // R context lengths, none longer than the last
+  int64_t R, HD;       // rows; H * D
+  const int64_t* idx;  // the last (longest) row's slots
+  int64_t max_ctx() const { return ctx[R - 1]; }
+};
+#endif
+
 #if defined(MH_AVX512)
 // -- decode attention, AVX-512: head dims 64 and 128 -------------------------------------------------------------
 
@@ -200,34 +220,42 @@ inline void value_heads(const float* sg, int64_t padded, const T* v, const int64
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + g * D + c * 16, o[g][c]);
 }
 
-// One task with head dim 16 * ND: query heads g0 .. g0 + GN of KV heads h0 .. h1 of one sequence (q and out point
-// at the sequence's first head). Tokens are walked in chunks of 32, every head of the task over a chunk before the
-// next, so a cache slot's heads are read together; each head's query and accumulators stay in registers within a
-// chunk, and its arithmetic (the order of every sum) is the same whatever heads share the task.
+// One task with head dim 16 * ND: query heads g0 .. g0 + GN of KV heads h0 .. h1 of the task's rows. Tokens are
+// walked in chunks of 32, every head of the task over a chunk before the next, so a cache slot's heads are read
+// together (and, for a run, once for all its rows); each head's query and accumulators stay in registers within a
+// chunk, and its arithmetic (the order of every sum) is the same whatever heads and rows share the task. Heads are
+// numbered j = ((h - h0) * R + r) * GN + g: a KV head's heads of every row side by side.
 template <typename T, int ND>
-void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_t ctx, int64_t KV, int64_t G,
-              int64_t h0, int64_t h1, int64_t g0, int64_t GN, float scale, float* scores, float* acc, float* out) {
+void task_vec(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t G, int64_t h0, int64_t h1, int64_t g0,
+              int64_t GN, float scale, float* scores, float* acc) {
   constexpr int64_t D = 16 * ND, CH = 32;
-  const int64_t padded = (ctx + 15) / 16 * 16, heads = (h1 - h0) * GN;
+  const int64_t ctx = rows.max_ctx(), per_h = rows.R * GN, heads = (h1 - h0) * per_h;
+  const int64_t padded = (ctx + 15) / 16 * 16;  // the scores' stride
+  const int64_t* idx = rows.idx;
+  const auto row_of = [&](int64_t j) { return (j % per_h) / GN; };
+  const auto head_at = [&](int64_t j) { return row_of(j) * rows.HD + ((h0 + j / per_h) * G + g0 + j % GN) * D; };
   std::vector<__m512> qv(heads * ND);  // each head's query, scaled, in row order
   {
     std::vector<float> qs(D);
     for (int64_t j = 0; j < heads; ++j) {
-      const float* qh = q + ((h0 + j / GN) * G + g0 + j % GN) * D;
+      const float* qh = rows.q + head_at(j);
       for (int64_t i = 0; i < D; ++i) qs[i] = qh[row_dim<T>(i)] * scale;
       for (int c = 0; c < ND; ++c) qv[j * ND + c] = _mm512_loadu_ps(qs.data() + c * 16);
     }
   }
+  // A run's shorter rows get scores for the longer rows' last tokens too: never read (their softmax stops at their
+  // own context), so it costs a few dot products and no branch.
   for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     prefetch_rows<T, _MM_HINT_T1>(v, idx, t0, t1, KV, h0, h1, D * sizeof(T));
     prefetch_rows<T, _MM_HINT_T1>(k, idx, std::min(ctx, t1 + CH), std::min(ctx, t1 + 2 * CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t gs = 0; gs < GN; gs += 4) {
-        const __m512* qh = qv.data() + ((h - h0) * GN + gs) * ND;
-        float* sg = scores + ((h - h0) * GN + gs) * padded;
-        switch (std::min<int64_t>(4, GN - gs)) {
+      for (int64_t js = 0; js < per_h; js += 4) {
+        const int64_t j = (h - h0) * per_h + js;
+        const __m512* qh = qv.data() + j * ND;
+        float* sg = scores + j * padded;
+        switch (std::min<int64_t>(4, per_h - js)) {
           case 4: score_heads<T, ND, 4>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
           case 3: score_heads<T, ND, 3>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
           case 2: score_heads<T, ND, 2>(qh, k, idx, t0, t1, KV, h, sg, padded); break;
@@ -238,12 +266,13 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
   std::vector<float> inv(heads);
   for (int64_t j = 0; j < heads; ++j) {
     float* sg = scores + j * padded;
-    for (int64_t t = ctx; t < padded; ++t) sg[t] = -FLT_MAX;
+    const int64_t n = rows.ctx[row_of(j)], end = (n + 15) / 16 * 16;
+    for (int64_t t = n; t < end; ++t) sg[t] = -FLT_MAX;
     __m512 mx = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    for (int64_t t = 0; t < end; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
+    for (int64_t t = 0; t < end; t += 16) {
       const __m512 e = mh::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
       _mm512_storeu_ps(sg + t, e);
       total = _mm512_add_ps(total, e);
@@ -256,9 +285,19 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(v, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t gs = 0; gs < GN; gs += 4) {
-        const int64_t j = (h - h0) * GN + gs;
-        switch (std::min<int64_t>(4, GN - gs)) {
+      for (int64_t js = 0; js < per_h; js += 4) {
+        const int64_t j = (h - h0) * per_h + js, ng = std::min<int64_t>(4, per_h - js);
+        int64_t shortest = ctx;
+        for (int64_t i = 0; i < ng; ++i) shortest = std::min(shortest, rows.ctx[row_of(j + i)]);
+        if (shortest < t1) {  // a row of the group ends in this chunk: each head on its own, up to its context
+          for (int64_t i = 0; i < ng; ++i) {
+            const int64_t end = std::min(t1, rows.ctx[row_of(j + i)]);
+            if (end > t0)
+              value_heads<T, ND, 1>(scores + (j + i) * padded, padded, v, idx, t0, end, KV, h, acc + (j + i) * D);
+          }
+          continue;
+        }
+        switch (ng) {
           case 4: value_heads<T, ND, 4>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
           case 3: value_heads<T, ND, 3>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
           case 2: value_heads<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
@@ -267,8 +306,7 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
       }
   }
   for (int64_t j = 0; j < heads; ++j) {
-    const int64_t h = h0 + j / GN, g = g0 + j % GN;
-    float* o = out + (h * G + g) * D;
+    float* o = rows.out + head_at(j);
     for (int64_t i = 0; i < D; ++i) o[row_dim<T>(i)] = acc[j * D + i] * inv[j];
   }
 }
@@ -335,25 +373,30 @@ inline void value_heads8(const float* sg, int64_t padded, const T* v, const int6
 }
 
 // One task with head dim 8 * ND, as task_vec of the AVX-512 path: query heads g0 .. g0 + GN of KV heads h0 .. h1 of
-// one sequence, tokens in chunks of 32; each head's arithmetic is the same whatever heads share the task.
+// the task's rows (heads numbered the same way), tokens in chunks of 32; each head's arithmetic is the same whatever
+// heads and rows share the task.
 template <typename T, int ND>
-void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_t ctx, int64_t KV, int64_t G,
-              int64_t h0, int64_t h1, int64_t g0, int64_t GN, float scale, float* scores, float* acc, float* out) {
+void task_vec(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t G, int64_t h0, int64_t h1, int64_t g0,
+              int64_t GN, float scale, float* scores, float* acc) {
   constexpr int64_t D = 8 * ND, CH = 32;
-  const int64_t padded = (ctx + 7) / 8 * 8, heads = (h1 - h0) * GN;
+  const int64_t ctx = rows.max_ctx(), per_h = rows.R * GN, heads = (h1 - h0) * per_h;
+  const int64_t padded = (ctx + 7) / 8 * 8;  // the scores' stride
+  const int64_t* idx = rows.idx;
+  const auto row_of = [&](int64_t j) { return (j % per_h) / GN; };
+  const auto head_at = [&](int64_t j) { return row_of(j) * rows.HD + ((h0 + j / per_h) * G + g0 + j % GN) * D; };
   std::vector<float> qs(heads * D);  // each head's query, scaled
   for (int64_t j = 0; j < heads; ++j) {
-    const float* qh = q + ((h0 + j / GN) * G + g0 + j % GN) * D;
+    const float* qh = rows.q + head_at(j);
     for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qh[i] * scale;
   }
-  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
+  for (int64_t t0 = 0; t0 < ctx; t0 += CH) {  // past a shorter row's context: scored, never read
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     prefetch_rows<T, _MM_HINT_T1>(v, idx, t0, t1, KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t gs = 0; gs < GN; gs += 3) {
-        const int64_t j = (h - h0) * GN + gs;
-        switch (std::min<int64_t>(3, GN - gs)) {
+      for (int64_t js = 0; js < per_h; js += 3) {
+        const int64_t j = (h - h0) * per_h + js;
+        switch (std::min<int64_t>(3, per_h - js)) {
           case 3: score_heads8<T, ND, 3>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
           case 2: score_heads8<T, ND, 2>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
           default: score_heads8<T, ND, 1>(qs.data() + j * D, k, idx, t0, t1, KV, h, scores + j * padded, padded); break;
@@ -363,12 +406,13 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
   std::vector<float> inv(heads);
   for (int64_t j = 0; j < heads; ++j) {
     float* sg = scores + j * padded;
-    for (int64_t t = ctx; t < padded; ++t) sg[t] = -FLT_MAX;
+    const int64_t n = rows.ctx[row_of(j)], end = (n + 7) / 8 * 8;
+    for (int64_t t = n; t < end; ++t) sg[t] = -FLT_MAX;
     __m256 mx = _mm256_set1_ps(-FLT_MAX);
-    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+    for (int64_t t = 0; t < end; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
     const __m256 m = _mm256_set1_ps(mh::reduce_max(mx));
     __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
+    for (int64_t t = 0; t < end; t += 8) {
       const __m256 e = mh::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
       _mm256_storeu_ps(sg + t, e);
       total = _mm256_add_ps(total, e);
@@ -380,19 +424,26 @@ void task_vec(const float* q, const T* k, const T* v, const int64_t* idx, int64_
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(v, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t gs = 0; gs < GN; gs += 2) {
-        const int64_t j = (h - h0) * GN + gs;
+      for (int64_t js = 0; js < per_h; js += 2) {
+        const int64_t j = (h - h0) * per_h + js, ng = std::min<int64_t>(2, per_h - js);
+        const int64_t shortest = std::min(rows.ctx[row_of(j)], rows.ctx[row_of(j + ng - 1)]);
         for (int c0 = 0; c0 < ND; c0 += 4) {
-          if (GN - gs >= 2)
+          if (shortest < t1) {  // a row of the pair ends in this chunk: each head on its own, up to its context
+            for (int64_t i = 0; i < ng; ++i) {
+              const int64_t end = std::min(t1, rows.ctx[row_of(j + i)]);
+              if (end > t0)
+                value_heads8<T, ND, 1>(scores + (j + i) * padded, padded, v, idx, t0, end, KV, h, c0, acc + (j + i) * D);
+            }
+          } else if (ng == 2) {
             value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
-          else
+          } else {
             value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+          }
         }
       }
   }
   for (int64_t j = 0; j < heads; ++j) {
-    const int64_t h = h0 + j / GN, g = g0 + j % GN;
-    float* o = out + (h * G + g) * D;
+    float* o = rows.out + head_at(j);
     for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv[j];
   }
 }
@@ -404,19 +455,93 @@ constexpr int64_t kVecLanes = 16;
 constexpr int64_t kVecLanes = 8;
 #endif
 
+#if defined(MH_AVX512) || defined(MH_AVX2)
+// One vector task over the rows: head dims 64 and 128.
+template <typename T>
+void run_task(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t G, int64_t D, int64_t h0, int64_t h1,
+              int64_t g0, int64_t GN, float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  scores.resize((h1 - h0) * rows.R * GN * ((rows.max_ctx() + kVecLanes - 1) / kVecLanes * kVecLanes));
+  acc.resize((h1 - h0) * rows.R * GN * D);
+  if (D == 64)
+    task_vec<T, 64 / kVecLanes>(rows, k, v, KV, G, h0, h1, g0, GN, scale, scores.data(), acc.data());
+  else
+    task_vec<T, 128 / kVecLanes>(rows, k, v, KV, G, h0, h1, g0, GN, scale, scores.data(), acc.data());
+}
+
+// Runs of rows: consecutive rows whose contexts are each a prefix of the next row's slots, none shorter than the
+// one before (a sequence's verification rows: one more position each, over the same blocks). Returns (first row,
+// rows) for each run, a single row being a run of one.
+std::vector<std::pair<int64_t, int64_t>> find_runs(const int64_t* slots, const int64_t* ctx_lens, int64_t B,
+                                                   int64_t max_ctx) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && ctx_lens[e] >= ctx_lens[e - 1] &&
+           std::memcmp(slots + e * max_ctx, slots + (e - 1) * max_ctx, ctx_lens[e - 1] * sizeof(int64_t)) == 0)
+      ++e;
+    runs.emplace_back(b, e - b);
+    b = e;
+  }
+  return runs;
+}
+
+// A batch with runs: a task is (part of a run, KV head), all of the KV head's query heads of the part's rows, so a
+// K or V row is read once for the part. A run is cut into parts only where there are too few runs to give every
+// thread two tasks. The heads' arithmetic is task_vec's, so every row gets the bits it gets alone.
+template <typename T>
+void decode_runs(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* ctx_lens, float* out,
+                 int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx, float scale,
+                 std::vector<std::pair<int64_t, int64_t>> runs) {
+  const int64_t G = H / KV, threads = mh::num_threads();
+  const int64_t want = (2 * threads + KV - 1) / KV;  // parts for two tasks a thread
+  if (static_cast<int64_t>(runs.size()) < want) {
+    const int64_t span = (B + want - 1) / want;
+    std::vector<std::pair<int64_t, int64_t>> parts;
+    for (const auto& [b, n] : runs) {
+      const int64_t pieces = (n + span - 1) / span;
+      for (int64_t i = 0, at = b; i < pieces; ++i) {  // near-equal pieces
+        const int64_t len = n / pieces + (i < n % pieces ? 1 : 0);
+        parts.emplace_back(at, len);
+        at += len;
+      }
+    }
+    runs = std::move(parts);
+  }
+  std::stable_sort(runs.begin(), runs.end(), [&](const auto& a, const auto& b) {  // the longest contexts first
+    return ctx_lens[a.first + a.second - 1] * a.second > ctx_lens[b.first + b.second - 1] * b.second;
+  });
+  const int64_t tasks = static_cast<int64_t>(runs.size()) * KV;
+  std::atomic<int64_t> next{0};
+  mh::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, acc;
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const auto [b, n] = runs[task / KV];
+      const int64_t h = task % KV;
+      const TaskRows rows{q + b * H * D, out + b * H * D, ctx_lens + b, n, H * D, slots + (b + n - 1) * max_ctx};
+      run_task(rows, k, v, KV, G, D, h, h + 1, 0, G, scale, scores, acc);
+    }
+  });
+}
+#endif
+
 template <typename T>
 void decode_run(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* ctx_lens, float* out,
                 int64_t B, int64_t H, int64_t KV, int64_t D, int64_t max_ctx, float scale) {
   const int64_t G = H / KV, threads = mh::num_threads();
+#if defined(MH_AVX512) || defined(MH_AVX2)
+  const bool vector = D == 64 || D == 128;
+  if (vector) {
+    auto runs = find_runs(slots, ctx_lens, B, max_ctx);
+    if (static_cast<int64_t>(runs.size()) < B) return decode_runs(q, k, v, slots, ctx_lens, out, B, H, KV, D, max_ctx, scale,
+                                                                  std::move(runs));
+  }
+#else
+  const bool vector = false;
+#endif
   // A task is a whole sequence (all its heads: each cache slot read once, in order) when there are at least two
   // sequences a thread; else a (sequence, KV head), whose G query heads share each K and V row; else (one or two
   // sequences) each query head on its own. Every head's arithmetic is the same code in the same order in all
   // three, so the output bits do not depend on the split.
-#if defined(MH_AVX512) || defined(MH_AVX2)
-  const bool vector = D == 64 || D == 128;
-#else
-  const bool vector = false;
-#endif
   const int64_t HN = vector && B >= 2 * threads ? KV : 1;        // KV heads a task (the portable path takes one)
   const int64_t GN = HN > 1 || B * KV >= 2 * threads ? G : 1;    // query heads of each
   const int64_t per_seq = (KV / HN) * (G / GN);
@@ -436,14 +561,8 @@ void decode_run(const float* q, const T* k, const T* v, const int64_t* slots, co
       const int64_t* idx = slots + b * max_ctx;
 #if defined(MH_AVX512) || defined(MH_AVX2)
       if (vector) {
-        scores.resize(HN * GN * ((ctx + kVecLanes - 1) / kVecLanes * kVecLanes));
-        acc.resize(HN * GN * D);
-        if (D == 64)
-          task_vec<T, 64 / kVecLanes>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale,
-                                      scores.data(), acc.data(), out + b * H * D);
-        else
-          task_vec<T, 128 / kVecLanes>(q + b * H * D, k, v, idx, ctx, KV, G, h0, h0 + HN, g0, GN, scale,
-                                       scores.data(), acc.data(), out + b * H * D);
+        const TaskRows one{q + b * H * D, out + b * H * D, ctx_lens + b, 1, H * D, idx};
+        run_task(one, k, v, KV, G, D, h0, h0 + HN, g0, GN, scale, scores, acc);
         continue;
       }
 #endif

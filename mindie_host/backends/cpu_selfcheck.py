@@ -77,15 +77,18 @@ def _layer_ops(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, fl
 
 def _attention(k: Any, s: ModelShapes, g: torch.Generator, kernel: str) -> list[tuple[str, float, torch.Tensor,
                                                                                        torch.Tensor]]:
-    slots_total, d, scale = 256, s.head_dim, s.head_dim ** -0.5
+    slots_total, d, scale = 320, s.head_dim, s.head_dim ** -0.5
     cache_k = torch.randn(slots_total, s.kv_heads, d, generator=g).to(s.kv_dtype)
     cache_v = torch.randn(slots_total, s.kv_heads, d, generator=g).to(s.kv_dtype)
     keys, values = cache_k.float(), cache_v.float()
     gqa = s.heads != s.kv_heads
     if kernel == "decode_attention":
-        lens = [1, 19, 70]
+        # three sequences, then a run: five rows of one sequence at consecutive positions (verification rows),
+        # which share one walk over the cache
+        lens = [1, 19, 70, 40, 41, 42, 43, 44]
         q = torch.randn(len(lens), s.heads, d, generator=g)
-        slots = torch.randperm(slots_total, generator=g)[: 3 * 70].view(3, 70).contiguous()
+        slots = torch.randperm(slots_total, generator=g)[: 4 * 70].view(4, 70)
+        slots = torch.cat([slots[:3], slots[3:].expand(5, 70)]).contiguous()
         got = k.decode_attention(q, cache_k, cache_v, slots, torch.tensor(lens), scale)
         want = torch.stack([F.scaled_dot_product_attention(
             q[b][None, :, None], keys[slots[b, :n]].transpose(0, 1)[None], values[slots[b, :n]].transpose(0, 1)[None],
