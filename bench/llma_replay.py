@@ -6,7 +6,7 @@ every output; a proposer can then be replayed against it offline: each step it p
 the drafts that equal the next output tokens are accepted, the target's own token follows. What varies between
 rules is only how many steps a request takes and how many verification rows each step carries. The replay prices
 a step with ``m`` drafts from ``--costs`` (a step's cost against a plain step, by row count, as
-``bench/verify_step.py`` measures it; the default is its two-thread table in bench/PERF.md) and a prompt from
+``bench/verify_step.py`` measures it; the default is its latest two-thread table in bench/PERF.md) and a prompt from
 ``--prefill`` (plain steps per prompt token: 0.45 s of prefill per 600 tokens at ~19 ms a step), and reports the
 predicted tokens/s ratio to plain decoding (TTFT included, as ``bench/spec_bench.py`` counts it).
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "plugins" / "llma"))
 
 MAX_TOKENS = {"copy": 256, "varied": 128}
-DEFAULT_COSTS = "1:1.07,2:1.14,4:1.31,8:1.87"  # bench/PERF.md, "What a verification row costs", 2 threads
+DEFAULT_COSTS = "1:1.10,2:1.09,4:1.24,8:1.96"  # bench/PERF.md, "Verification rows share the cache walk", avx512
 
 
 def generate(path: Path, n: int, seeds: int) -> None:

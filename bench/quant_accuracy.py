@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                  {"quantization": "auto", "kv_cache_dtype": "bfloat16"}),
                 ("GGUF path, prompt rows' activations rounded to int8 per group of 32 (emulated, llama.cpp's q8_0)",
                  model, {"quantization": "auto", "emulate_int8_prompts": True}),
+                ("GGUF path, prompt rows in int8 groups of 32 (MINDIE_HOST_PROMPT_INT8=1)", model,
+                 {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_INT8": "1"}}),
+                ("GGUF path, prompt rows in int16 groups of 32 (MINDIE_HOST_PROMPT_INT16=1)", model,
+                 {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_INT16": "1"}}),
             ]
         for label, path, kw in variants:
             if args.only and args.only not in label:

@@ -97,11 +97,7 @@ inline void unpack_int8(const int8_t* codes, int64_t P, uint32_t* buf) {
 // ``tile_bytes`` apart. The pairs are the same bits either way.
 enum class Source { kBuffer, kInt4, kInt8 };
 
-// 16 group scales (or offsets) as float32: loaded, or converted from float16 (F16C, exact).
-inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scales16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using mh::scales16;
 
 template <Source S>
 inline __m512bh pairs16(const void* src, int64_t tile, int64_t half, int64_t p, int64_t P, int64_t tile_bytes) {
@@ -310,9 +306,7 @@ inline void dequant8(const uint8_t* tile, int64_t p, int c8, __m256 scale, __m25
   hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale, offset);
 }
 
-// 8 group scales (or offsets) as float32: loaded, or converted from float16 (F16C, exact).
-inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+using mh::scales8;
 
 // The offsets at ``offset + at``, or derived from the scales ``sv`` loaded from ``scale + at`` (offset == scale).
 template <bool INT4, typename Sc>

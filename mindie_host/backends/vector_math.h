@@ -46,6 +46,20 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// Group scales (or offsets) as float32, 16 (avx512) or 8 (avx2, and avx512's half registers) at a time: loaded, or
+// widened from float16 bits (vcvtph2ps / F16C: exact, every float16 is a float32), the values a float32 tensor of
+// them would hold. The low-bit products (lowbit_matmul.cpp, lowbit_q8_rows.cpp) load every scale through them.
+#if defined(MH_AVX512)
+inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 scales16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#if defined(MH_AVX512) || defined(MH_AVX2)
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
 #if defined(MH_AVX512)
 // e^x for x <= 0 (scores minus their maximum, or -|x|): 2^n * p(r) with a degree-6 polynomial, ~1e-7 relative error
 inline __m512 exp_nonpositive(__m512 x) {
