@@ -47,8 +47,7 @@ def matrices(layer: object) -> dict[str, LowBitWeight]:
 
 
 def rounded_product(group: int):  # noqa: ANN201 - a method to patch in
-    """``quantized_product`` replaced by: activations rounded to int8 in groups of ``group``, then a float32
-    product."""
+    """``int8_product`` replaced by: activations rounded to int8 in groups of ``group``, then a float32 product."""
     def product(self: LowBitWeight, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         g = x.float().reshape(m, k // group, group)
@@ -82,10 +81,10 @@ def main() -> None:
         tops = ", ".join(f"{tokenizer.decode([int(i)])!r} {float(v):.3f}" for v, i in zip(lp.values, lp.indices))
         print(f"| {label} | {tops} |")
 
-    def int8(kinds: tuple[str, ...], bits: int = 8) -> None:
+    def int8(kinds: tuple[str, ...]) -> None:
         for layer in layers:
             for kind, w in layer.items():
-                w.prompt_bits = bits if kind in kinds else 0
+                w.prompt_int8 = kind in kinds
 
     print("| prompt rows | first token: top three log-probabilities |\n| --- | --- |")
     int8(KINDS)
@@ -95,11 +94,9 @@ def main() -> None:
         top3(f"int8 but {kind}")
     int8(())
     top3("float (no int8)")
-    int8(KINDS, 16)
-    top3("int16 (MINDIE_HOST_PROMPT_INT16=1)")
     int8(KINDS)
     for group in (32, 16, 8):
-        LowBitWeight.quantized_product = rounded_product(group)  # type: ignore[method-assign]
+        LowBitWeight.int8_product = rounded_product(group)  # type: ignore[method-assign]
         top3(f"rounded, groups of {group}")
 
 

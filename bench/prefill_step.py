@@ -9,8 +9,8 @@ prefill step of ``--lengths`` prompt tokens through ``backend.execute`` (median 
 * ``auto``: the default, ``quantization: auto`` with prompt rows multiplied in bfloat16 (``PromptRows``);
 * ``auto, low-bit prompts``: the same with ``MINDIE_HOST_PROMPT_BF16=0`` (prompt rows through torch's
   int4 kernel, as before issue 24);
-* ``auto, int8 prompt rows`` / ``auto, int16 prompt rows``: ``MINDIE_HOST_PROMPT_INT8=1`` / ``MINDIE_HOST_PROMPT_INT16=1``
-  (prompt rows quantized per group of 32, integer products against the file's codes);
+* ``auto, int8 prompt rows``: ``MINDIE_HOST_PROMPT_INT8=1`` (prompt rows quantized per group of 32, integer products
+  against the file's codes);
 * ``none``: fp32 everywhere (MKL), the exact reference path.
 
 The roofline of a prefill is the bf16 GEMM rate over the FLOPs of a token (2 x the layers' matrix
@@ -18,7 +18,7 @@ parameters, plus attention at that length); the report gives each run's tokens/s
 
     python bench/prefill_step.py --lengths 128,512,1024
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 MINDIE_HOST_CPU_ISA=avx2 \
-        python bench/prefill_step.py --lengths 256,512 --modes auto,int8,int16       # the avx2 profile
+        python bench/prefill_step.py --lengths 256,512 --modes auto,int8             # the avx2 profile
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,1024")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--modes", default="", help="comma-separated: auto, low-bit, int8, int16, none (default: all)")
+    ap.add_argument("--modes", default="", help="comma-separated: auto, low-bit, int8, none (default: all)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     rates = gemm_rates()
@@ -113,7 +113,6 @@ def main() -> None:
         "auto": ("auto", "auto", {}),
         "low-bit": ("auto, low-bit prompts", "auto", {"MINDIE_HOST_PROMPT_BF16": "0"}),
         "int8": ("auto, int8 prompt rows", "auto", {"MINDIE_HOST_PROMPT_INT8": "1"}),
-        "int16": ("auto, int16 prompt rows", "auto", {"MINDIE_HOST_PROMPT_INT16": "1"}),
         "none": ("none (fp32)", "none", {}),
     }
     modes = [every[key] for key in (a.modes.split(",") if a.modes else every)]

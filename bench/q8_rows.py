@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The int8 (or int16: ``--bits 16``) prompt rows kernel against the low-bit product it may replace for prompt rows.
+"""The int8 prompt rows kernel (``lowbit_q8_rows``) against the low-bit product it may replace for prompt rows.
 
 For prompt-sized row counts (``--rows``, default 64, 256, 512) and each matrix shape (a 1B Llama's square, gate/up
 and down products, the 135M model's MLP), in GGUF Q4_0 and Q8_0 form (the loader's tiles: float16 scales), it times
@@ -15,7 +15,6 @@ product is the reference's bits. GOP/s count 2 * M * N * K, at the median.
 
     nice -n 19 python bench/q8_rows.py                     # the table of bench/PERF.md
     nice -n 19 python bench/q8_rows.py --rows 64 --only 2048x2048 --variants avx512
-    nice -n 19 python bench/q8_rows.py --bits 16 --variants avx2 # int16 rows (lowbit_q16_rows) on avx2
 """
 
 from __future__ import annotations
@@ -60,12 +59,11 @@ def timed(fns: list[Callable[[], object]], repeat: int) -> list[list[float]]:
     return times
 
 
-def measure(kernels: Any, tiles: LowBitTiles, x: torch.Tensor, act: torch.dtype, repeat: int,
-            bits: int = 8) -> list[list[float]]:
-    """Seconds of lowbit_matmul, the quantized rows' product, quantize_rows (torch) and the kernels' quantize_rows on
-    rows ``x`` (checking the quantized product's bits against the reference once, up to 64 rows)."""
+def measure(kernels: Any, tiles: LowBitTiles, x: torch.Tensor, act: torch.dtype, repeat: int) -> list[list[float]]:
+    """Seconds of lowbit_matmul, lowbit_q8_rows, quantize_rows (torch) and the kernels' quantize_rows on rows ``x``
+    (checking the int8 product's bits against the reference once, up to 64 rows)."""
     xa = x.to(act).contiguous()
-    rows = quantize_rows(x, bits)
+    rows = quantize_rows(x)
 
     def q8() -> torch.Tensor:
         return kernels.lowbit_q8_rows(rows.q, rows.scale, rows.qsum, tiles.codes, tiles.scale, tiles.offset, tiles.n,
@@ -74,7 +72,7 @@ def measure(kernels: Any, tiles: LowBitTiles, x: torch.Tensor, act: torch.dtype,
     if x.shape[0] <= 64 and not torch.equal(q8(), q8_rows_reference(rows, tiles)):
         raise SystemExit(f"{kernels.variant} {tuple(x.shape)} x {tiles.n}: not the reference's bits")
     return timed([lambda: kernels.lowbit_matmul(xa, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size),
-                  q8, lambda: quantize_rows(x, bits), lambda: kernels.quantize_rows(x, bits)], repeat)
+                  q8, lambda: quantize_rows(x), lambda: kernels.quantize_rows(x)], repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,21 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated KxN shapes, e.g. 2048x2048")
-    ap.add_argument("--bits", type=int, choices=(8, 16), default=8, help="the rows' codes: int8 or int16")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     isas = tuple(v for v in args.variants.split(",") if cpu_profile.features().runs(v))
     loaded = cpu_extensions.load_variants(isas)
     only = {s for s in args.only.split(",") if s}
-    print(f"# int{args.bits} rows, {args.threads} threads, median of {args.repeat}, load average before: "
-          f"{os.getloadavg()[0]:.2f}")
+    print(f"# {args.threads} threads, median of {args.repeat}, load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'variant':8} {'shape':12} {'K x N':>11} {'form':5} {'M':>4} {'matmul ms':>10} {'q8 ms':>8} "
           f"{'speedup':>7} {'(min)':>7} {'q8 GOP/s':>8} {'quant ms':>8} {'qkern ms':>8}")
     g = torch.Generator().manual_seed(0)
     for isa in isas:
         kernels = loaded.get(isa)
-        if kernels is None or not getattr(kernels, "has_q8_rows" if args.bits == 8 else "has_q16_rows", False):
-            print(f"{isa}: not built, or without int{args.bits} rows")
+        if kernels is None or not kernels.has_q8_rows:
+            print(f"{isa}: not built, or without lowbit_q8_rows")
             continue
         act = torch.bfloat16 if kernels.lowbit_takes_bfloat16 else torch.float32
         for name, k, n in SHAPES:
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 tiles = make_tiles(form, n, k, g)
                 for m in (int(r) for r in args.rows.split(",")):
                     matmul, q8, quant, quant_kernel = measure(kernels, tiles, torch.randn(m, k, generator=g), act,
-                                                              args.repeat, args.bits)
+                                                              args.repeat)
                     matmul_s, q8_s = statistics.median(matmul), statistics.median(q8)
                     print(f"{isa:8} {name:12} {f'{k}x{n}':>11} {form:5} {m:4} {matmul_s * 1e3:10.2f} "
                           f"{q8_s * 1e3:8.2f} {matmul_s / q8_s:6.2f}x {min(matmul) / min(q8):6.2f}x "

@@ -163,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                  model, {"quantization": "auto", "emulate_int8_prompts": True}),
                 ("GGUF path, prompt rows in int8 groups of 32 (MINDIE_HOST_PROMPT_INT8=1)", model,
                  {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_INT8": "1"}}),
-                ("GGUF path, prompt rows in int16 groups of 32 (MINDIE_HOST_PROMPT_INT16=1)", model,
-                 {"quantization": "auto", "env": {"MINDIE_HOST_PROMPT_INT16": "1"}}),
             ]
         for label, path, kw in variants:
             if args.only and args.only not in label:

@@ -1,6 +1,6 @@
-"""Int8 and int16 prompt rows (mindie_host/backends/lowbit_q8_rows.cpp) against their torch reference, bit for bit.
+"""Int8 prompt rows (mindie_host/backends/lowbit_q8_rows.cpp) against their torch reference, bit for bit.
 
-Prompt rows quantized per row and group of 32 inputs to int8 or int16 (``cpu_matmul.quantize_rows``) multiply a low-bit
+Prompt rows quantized per row and group of 32 inputs to int8 (``cpu_matmul.quantize_rows``) multiply a low-bit
 weight's exact integer codes with integer dot products, the scales applied per group in float32.
 ``cpu_matmul.q8_rows_reference`` fixes every rounding, so each variant this CPU executes (portable, avx2, avx512
 with VNNI) must give its bits exactly: GGUF Q4_0 (derived offsets), Q4_1 (stored offsets), Q8_0 (int8 groups of 32)
@@ -55,15 +55,12 @@ def weight(kind: str, n: int, k: int, half: bool, seed: int = 0) -> LowBitTiles:
     return tiles
 
 
-def rows(m: int, k: int, seed: int = 1, bits: int = 8) -> QuantizedRows:
+def rows(m: int, k: int, seed: int = 1) -> QuantizedRows:
     """``m`` random rows quantized, with an all-zero group (scale 0) and a group of large values."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0
     x[-1, -32:] *= 1000
-    return quantize_rows(x, bits)
-
-
-BITS = pytest.mark.parametrize("bits", [8, 16], ids=["int8", "int16"])
+    return quantize_rows(x)
 
 
 def run(kernels: Any, r: QuantizedRows, tiles: LowBitTiles) -> torch.Tensor:
@@ -74,22 +71,20 @@ def run(kernels: Any, r: QuantizedRows, tiles: LowBitTiles) -> torch.Tensor:
 @pytest.mark.parametrize("k", [64, 576, 1536, 2048])
 @pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
 @pytest.mark.parametrize("kind", KINDS)
-@BITS
-def test_every_variant_gives_the_references_bits(cpu_variant: Any, kind: str, half: bool, k: int, bits: int) -> None:
+def test_every_variant_gives_the_references_bits(cpu_variant: Any, kind: str, half: bool, k: int) -> None:
     tiles = weight(kind, N, k, half, seed=k)
     values = tiles.int_values()
     for m in (1, 2, 5, 6, 7, 13, 64, 600 if k <= 576 else 100):  # each blocking of rows, and a prompt's worth
-        r = rows(m, k, seed=m, bits=bits)
+        r = rows(m, k, seed=m)
         got = run(cpu_variant, r, tiles)
         assert got.dtype == torch.float32 and got.shape == (m, N)
         assert torch.equal(got, q8_rows_reference(r, tiles, values)), (cpu_variant.variant, kind, half, k, m)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@BITS
-def test_a_row_has_the_same_bits_alone_and_among_others(cpu_variant: Any, kind: str, bits: int) -> None:
+def test_a_row_has_the_same_bits_alone_and_among_others(cpu_variant: Any, kind: str) -> None:
     tiles = weight(kind, 100, 576, half=True, seed=3)
-    r = rows(37, 576, seed=4, bits=bits)
+    r = rows(37, 576, seed=4)
     together = run(cpu_variant, r, tiles)
     for i in (0, 5, 6, 36):  # first, last of a block of six, first of the next, the lone last row
         alone = QuantizedRows(r.q[i : i + 1].clone(), r.scale[i : i + 1].clone(), r.qsum[i : i + 1].clone())
@@ -98,24 +93,22 @@ def test_a_row_has_the_same_bits_alone_and_among_others(cpu_variant: Any, kind: 
     assert torch.equal(run(cpu_variant, flipped, tiles), together.flip(0))
 
 
-@pytest.mark.parametrize(("bits", "within"), [(8, 0.02), (16, 1e-4)], ids=["int8", "int16"])
-def test_the_quantized_product_is_close_to_the_float_one(cpu_variant: Any, bits: int, within: float) -> None:
+def test_the_int8_product_is_close_to_the_float_one(cpu_variant: Any) -> None:
     # the reference's integers are the weights' exact values: the product differs from x @ W.T by the rows'
-    # rounding alone (int8: about 1% of a row's scale per element; int16: 256 times finer)
+    # rounding to int8 alone (about 1% of a row's scale per element)
     tiles = weight("q4_1", 64, 1536, half=True, seed=5)
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(6))
     want = x @ tiles.dequantize().T
-    got = run(cpu_variant, quantize_rows(x, bits), tiles)
-    assert float((got - want).abs().max()) < within * float(want.abs().max())
+    got = run(cpu_variant, quantize_rows(x), tiles)
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
 
 
-@BITS
-def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any, bits: int) -> None:
+def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any) -> None:
     tiles = weight("q4_0", N, 576, half=True, seed=7)
-    r = rows(9, 576, seed=8, bits=bits)
+    r = rows(9, 576, seed=8)
     want = q8_rows_reference(r, tiles)
     assert torch.equal(tiles.q8_rows(r), want)
-    with cpu_extensions.using(cpu_variant, off=frozenset({"lowbit_q8_rows" if bits == 8 else "lowbit_q16_rows"})):
+    with cpu_extensions.using(cpu_variant, off=frozenset({"lowbit_q8_rows"})):
         assert torch.equal(tiles.q8_rows(r), want)  # the reference serves, with the same bits
         assert torch.equal(tiles.q8_rows(r, tiles.int_values()), want)
     with cpu_extensions.using(None):
@@ -126,28 +119,26 @@ def test_low_bit_tiles_use_the_active_kernel_else_the_reference(cpu_variant: Any
 
 
 def assert_same_rows(got: QuantizedRows, want: QuantizedRows) -> None:
-    assert got.q.dtype == want.q.dtype and got.scale.dtype == torch.float32 and got.qsum.dtype == torch.int32
+    assert got.q.dtype == torch.int8 and got.scale.dtype == torch.float32 and got.qsum.dtype == torch.int32
     assert torch.equal(got.q, want.q) and torch.equal(got.qsum, want.qsum)
     assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))  # bit for bit
 
 
 @pytest.mark.parametrize("k", [32, 576, 8192])
-@BITS
-def test_the_kernels_quantize_the_rows_as_torch_does(cpu_variant: Any, k: int, bits: int) -> None:
+def test_the_kernels_quantize_the_rows_as_torch_does(cpu_variant: Any, k: int) -> None:
     g = torch.Generator().manual_seed(k)
-    limit = 127 if bits == 8 else 32767
     for m in (1, 7, 300):
         x = torch.randn(m, k, generator=g) * torch.logspace(-6, 4, m)[:, None]  # rows of every size
         x[0, :32] = 0  # a group of zeros: scale 0, codes 0
         if k >= 64:
-            x[-1, 32:64] = torch.arange(-16, 16) * limit / 16 + 0.5 * limit / 16 * (torch.arange(32) % 2)  # ties
-        assert_same_rows(QuantizedRows(*cpu_variant.quantize_rows(x, bits)), quantize_rows(x, bits))
-    ties = torch.tensor([[float(limit), 2.5, -2.5, 0.5, -0.5, 1.5, 3.5, -126.5] + [0.0] * 24])  # scale 1: half to even
-    got = QuantizedRows(*cpu_variant.quantize_rows(ties, bits))
-    assert got.q[0, :8].tolist() == [limit, 2, -2, 0, 0, 2, 4, -126]
-    assert_same_rows(got, quantize_rows(ties, bits))
+            x[-1, 32:64] = torch.arange(-16, 16) * 127 / 16 + 0.5 * 127 / 16 * (torch.arange(32) % 2)  # ties
+        assert_same_rows(QuantizedRows(*cpu_variant.quantize_rows(x)), quantize_rows(x))
+    ties = torch.tensor([[127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 3.5, -126.5] + [0.0] * 24])  # scale 1: halves to even
+    got = QuantizedRows(*cpu_variant.quantize_rows(ties))
+    assert got.q[0, :8].tolist() == [127, 2, -2, 0, 0, 2, 4, -126]
+    assert_same_rows(got, quantize_rows(ties))
     bf16 = torch.randn(5, k, generator=g).bfloat16()  # what the prompt rows may come as: converted exactly first
-    assert_same_rows(quantize_rows_kernel(bf16, bits), quantize_rows(bf16, bits))
+    assert_same_rows(quantize_rows_kernel(bf16), quantize_rows(bf16))
 
 
 def test_the_binding_checks_the_rows_shapes(cpu_variant: Any) -> None:
@@ -162,10 +153,9 @@ def test_the_binding_checks_the_rows_shapes(cpu_variant: Any) -> None:
         cpu_variant.lowbit_q8_rows(r.q, r.scale, r.qsum, tiles.codes, tiles.scale, tiles.offset, N, 16)
 
 
-@pytest.mark.parametrize("kernel", ["lowbit_q8_rows", "lowbit_q16_rows"])
-def test_the_self_check_covers_the_quantized_rows(cpu_variant: Any, kernel: str) -> None:
+def test_the_self_check_covers_the_int8_rows(cpu_variant: Any) -> None:
     shapes = cpu_selfcheck.ModelShapes(576, 9, 3, 64, 1536, torch.bfloat16, (("int4", 576, 32), ("int8", 1536, 1536)))
-    cases = cpu_selfcheck.CHECKS[kernel](cpu_variant, shapes, torch.Generator().manual_seed(0))
+    cases = cpu_selfcheck.CHECKS["lowbit_q8_rows"](cpu_variant, shapes, torch.Generator().manual_seed(0))
     assert cases and all(allowed == 0 and torch.equal(got, want) for _, allowed, got, want in cases)
 
 
@@ -191,9 +181,6 @@ def test_a_library_of_interface_version_2_loads_without_the_int8_rows(cpu_varian
     with cpu_extensions.using(old):  # the reference serves it, and torch quantizes
         assert torch.equal(tiles.q8_rows(r), q8_rows_reference(r, tiles))
         assert_same_rows(quantize_rows_kernel(torch.ones(2, 64)), quantize_rows(torch.ones(2, 64)))
-    table.abi = 3  # version 3: the int8 rows but not the int16 ones
-    assert binding.Kernels(ctypes.addressof(table)).has_q8_rows
-    assert not binding.Kernels(ctypes.addressof(table)).has_q16_rows
-    table.abi = 5  # a newer library than this binding knows is refused
+    table.abi = 4  # a newer library than this binding knows is refused
     with pytest.raises(RuntimeError, match="another interface version"):
         binding.Kernels(ctypes.addressof(table))

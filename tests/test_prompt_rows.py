@@ -1,5 +1,4 @@
-"""Prompt tokens multiply in bfloat16, int8 or int16, generated tokens through the low-bit kernel, per token (issues 24,
-35).
+"""Prompt tokens multiply in bfloat16 or int8, generated tokens through the low-bit kernel, per token (issues 24, 35).
 
 On the default model (GGUF, ``quantization: auto``, batch-invariant) a step that says which rows are
 prompt tokens (``ModelInput.prompt_lens``) multiplies those with each matrix's bfloat16 copy and the
@@ -7,12 +6,13 @@ generated rows with the file's low-bit form. The choice follows the token, never
 prompt's logits carry the same bits alone, beside other prompts, or beside decodes in a mixed step;
 and a decode row beside a prompt chunk gets the bits it gets alone. ``MINDIE_HOST_PROMPT_BF16=0``
 keeps the low-bit kernel for prompt rows; both stay close to the fp32 reference (``quantization:
-none``), which does not change. Every test runs in each prompt mode: bfloat16 copies (the default), int8 groups of 32
-against the file's codes (``MINDIE_HOST_PROMPT_INT8=1``) and int16 ones (``MINDIE_HOST_PROMPT_INT16=1``).
+none``), which does not change. Every test runs in both prompt modes: bfloat16 copies (``MINDIE_HOST_PROMPT_INT8=0``)
+and int8 groups of 32 against the file's codes (``MINDIE_HOST_PROMPT_INT8=1``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -37,9 +37,8 @@ def load(quantization: str) -> TorchBackend:
     return backend
 
 
-#: the kinds of prompt products: a bfloat16 copy of each low-bit matrix, or int8 or int16 groups against its codes;
-#: the variable each sets to 1 (none for bf16, the default)
-PROMPT_MODES = {"bf16": None, "int8": "MINDIE_HOST_PROMPT_INT8", "int16": "MINDIE_HOST_PROMPT_INT16"}
+#: the two kinds of prompt products: a bfloat16 copy of each low-bit matrix, or int8 groups against its codes
+PROMPT_MODES = {"bf16": "0", "int8": "1"}
 
 
 @pytest.fixture(scope="module", params=sorted(PROMPT_MODES))
@@ -47,12 +46,17 @@ def auto(request: pytest.FixtureRequest) -> Iterator[TorchBackend]:
     mode = request.param
     if mode == "bf16" and not cpu_profile.profile().native_bf16:
         pytest.skip("bfloat16 prompt copies need a CPU with native bfloat16")
-    if mode != "bf16" and cpu_profile.profile().int8_products is None:
-        pytest.skip("quantized prompt rows need a CPU with native integer multiply-adds")
-    with pytest.MonkeyPatch.context() as env:
-        for variable in filter(None, PROMPT_MODES.values()):
-            env.setenv(variable, "1" if variable == PROMPT_MODES[mode] else "0")
+    if mode == "int8" and cpu_profile.profile().int8_products is None:
+        pytest.skip("int8 prompt rows need a CPU with native int8 products")
+    before = os.environ.get("MINDIE_HOST_PROMPT_INT8")
+    os.environ["MINDIE_HOST_PROMPT_INT8"] = PROMPT_MODES[mode]
+    try:
         backend = load("auto")
+    finally:
+        if before is None:
+            del os.environ["MINDIE_HOST_PROMPT_INT8"]
+        else:
+            os.environ["MINDIE_HOST_PROMPT_INT8"] = before
     backend.prompt_mode = mode  # type: ignore[attr-defined]
     yield backend
 
@@ -89,15 +93,14 @@ def test_prompt_rows_are_found_by_position() -> None:
 
 
 def test_low_bit_layers_multiply_prompts_by_their_mode(auto: TorchBackend) -> None:
-    """bf16: each low-bit matrix keeps a bfloat16 copy for prompt rows; int8, int16: none, its codes serve prompt
-    rows, in that width."""
+    """bf16: each low-bit matrix keeps a bfloat16 copy for prompt rows; int8: none, its codes serve prompt rows."""
     assert auto.model is not None
     qkv = auto.model.layers[0].attn.qkv
     assert isinstance(qkv, LowBitWeight) and qkv.dense is None
     if auto.prompt_mode == "bf16":  # type: ignore[attr-defined]
-        assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16 and not qkv.prompt_bits
+        assert qkv.prompt_weight is not None and qkv.prompt_weight.dtype == torch.bfloat16 and not qkv.prompt_int8
     else:
-        assert qkv.prompt_weight is None and qkv.prompt_bits == int(auto.prompt_mode[3:])  # type: ignore[attr-defined]
+        assert qkv.prompt_weight is None and qkv.prompt_int8
 
 
 def test_a_prompts_logits_do_not_depend_on_what_shares_its_step(auto: TorchBackend) -> None:
@@ -218,30 +221,6 @@ def test_int8_prompt_rows_are_opt_in_and_need_native_int8(monkeypatch: pytest.Mo
         assert prompt_int8_enabled()
 
 
-def test_int16_prompt_rows_are_opt_in_need_integer_multiply_adds_and_exclude_int8(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off unless ``MINDIE_HOST_PROMPT_INT16=1``; 1 on a profile without integer multiply-adds, 1 beside
-    ``MINDIE_HOST_PROMPT_INT8=1``, or a value other than 0 and 1 is an error that names the variable."""
-    from mindie_host.backends.linear import prompt_int16_enabled, prompt_row_bits
-
-    monkeypatch.delenv("MINDIE_HOST_PROMPT_INT8", raising=False)
-    monkeypatch.delenv("MINDIE_HOST_PROMPT_INT16", raising=False)
-    assert not prompt_int16_enabled() and prompt_row_bits() == 0
-    monkeypatch.setenv("MINDIE_HOST_PROMPT_INT16", "on")
-    with pytest.raises(ValueError, match="MINDIE_HOST_PROMPT_INT16 must be 0 or 1"):
-        prompt_int16_enabled()
-    monkeypatch.setenv("MINDIE_HOST_PROMPT_INT16", "1")
-    monkeypatch.setenv(cpu_profile.ENV, "portable")
-    with pytest.raises(RuntimeError, match="no native integer multiply-add"):
-        prompt_int16_enabled()
-    if cpu_profile.features().runs("avx2"):
-        monkeypatch.setenv(cpu_profile.ENV, "avx2")
-        assert prompt_int16_enabled() and prompt_row_bits() == 16
-        monkeypatch.setenv("MINDIE_HOST_PROMPT_INT8", "1")
-        with pytest.raises(ValueError, match="choose one width"):
-            prompt_row_bits()
-
-
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "int8_per_channel"])
 def test_the_int8_reference_is_the_product_of_the_quantized_rows(kind: str) -> None:
     """``q8_rows_reference`` (what the kernels' ``lowbit_q8_rows`` must equal bit for bit) is the product of the
@@ -279,26 +258,23 @@ def test_the_int8_reference_is_the_product_of_the_quantized_rows(kind: str) -> N
     assert torch.equal(alone[0], got[2].float())  # a row's bits do not depend on the other rows
 
 
-def test_quantized_prompt_rows_carry_the_kernels_bits_without_them(auto: TorchBackend,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Int8 and int16 modes: the whole model's prompt logits are the same bits with the kernels (``lowbit_q8_rows``
-    or ``lowbit_q16_rows``, ``quantize_rows``) as with them off (torch's quantize_rows and q8_rows_reference), so
-    turning a kernel off never changes an answer."""
+def test_int8_prompt_rows_carry_the_kernels_bits_without_them(auto: TorchBackend,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Int8 mode: the whole model's prompt logits are the same bits with the int8 kernels (``lowbit_q8_rows``,
+    ``quantize_rows``) as with them off (torch's quantize_rows and q8_rows_reference), so turning a kernel off never
+    changes an answer."""
     from mindie_host.backends import cpu_extensions
 
-    mode = auto.prompt_mode  # type: ignore[attr-defined]
-    if mode == "bf16":
-        pytest.skip("quantized modes only")
+    if auto.prompt_mode != "int8":  # type: ignore[attr-defined]
+        pytest.skip("int8 mode only")
     from mindie_host.backends import cpu_matmul
 
-    bits = int(mode[3:])
-    kernel = "lowbit_q8_rows" if bits == 8 else "lowbit_q16_rows"
-    if not cpu_matmul.q8_rows_loaded(bits):
-        pytest.skip(f"the int{bits} kernels are not built here")
+    if not cpu_matmul.q8_rows_loaded():
+        pytest.skip("the int8 kernels are not built here")
     with_kernels = prefill(auto, [0, 2])
     active = cpu_extensions.active
-    monkeypatch.setattr(cpu_extensions, "active", lambda name: None if name == kernel else active(name))
-    assert not cpu_matmul.q8_rows_loaded(bits)
+    monkeypatch.setattr(cpu_extensions, "active", lambda name: None if name == "lowbit_q8_rows" else active(name))
+    assert not cpu_matmul.q8_rows_loaded()
     try:
         assert torch.equal(prefill(auto, [0, 2]), with_kernels)
     finally:

@@ -51,9 +51,6 @@ class Kernels {
   // Whether the library has lowbit_q8_rows and quantize_rows (interface version 3 and later).
   bool has_q8_rows() const { return k_->abi >= 3; }
 
-  // Whether the library has lowbit_q16_rows and quantize_rows16 (interface version 4 and later).
-  bool has_q16_rows() const { return k_->abi >= 4; }
-
   at::Tensor add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
                              double eps) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [T, n] float32");
@@ -142,16 +139,13 @@ class Kernels {
     return out;
   }
 
-  // int8 or int16 rows (xq [M, K] int8 or int16, xscale [M, K/32] float32, xqsum [M, K/32] int32:
-  // cpu_matmul.quantize_rows) times the tiles lowbit_matmul takes, whose group size must be a multiple of 32 ->
-  // [M, N] float32
+  // int8 rows (xq [M, K] int8, xscale [M, K/32] float32, xqsum [M, K/32] int32: cpu_matmul.quantize_rows) times
+  // the tiles lowbit_matmul takes, whose group size must be a multiple of 32 -> [M, N] float32
   at::Tensor lowbit_q8_rows(at::Tensor xq, at::Tensor xscale, at::Tensor xqsum, at::Tensor codes, at::Tensor scale,
                             at::Tensor offset, int64_t N, int64_t group_size) const {
-    const bool wide = xq.scalar_type() == at::kShort;
-    TORCH_CHECK(wide ? has_q16_rows() : has_q8_rows(), "lowbit_q8_rows: the ", k_->variant,
-                " kernel library is of interface version ", k_->abi, ", before ", wide ? "int16 rows (4)" : "it (3)");
-    TORCH_CHECK(xq.dim() == 2 && (wide || xq.scalar_type() == at::kChar) && xq.is_contiguous(),
-                "xq: [M, K] int8 or int16");
+    TORCH_CHECK(has_q8_rows(), "lowbit_q8_rows: the ", k_->variant, " kernel library is of interface version ",
+                k_->abi, ", before it (3)");
+    TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "xq: [M, K] int8");
     const int64_t M = xq.size(0), K = xq.size(1), G = K / 32;
     TORCH_CHECK(K % 32 == 0 && K > 0, "xq: K a multiple of 32");
     TORCH_CHECK(xscale.dim() == 2 && xscale.scalar_type() == at::kFloat && xscale.is_contiguous() &&
@@ -163,37 +157,28 @@ class Kernels {
                                 "shapes (the weights' group size a multiple of 32)",
                                 "scale, offset: [NT, K / group_size, 32] (offset may be empty)");
     auto out = at::empty({M, N}, xscale.options());
-    const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
-    const void* op = t.derived ? nullptr : offset.data_ptr();
-    if (M > 0 && wide)
-      k_->lowbit_q16_rows(xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xqsum.data_ptr<int32_t>(), M, K, cp,
-                          t.int4 ? 1 : 0, t.NT, scale.data_ptr(), op, t.half ? 1 : 0, N, group_size,
-                          out.data_ptr<float>());
-    else if (M > 0)
-      k_->lowbit_q8_rows(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data_ptr<int32_t>(), M, K, cp,
-                         t.int4 ? 1 : 0, t.NT, scale.data_ptr(), op, t.half ? 1 : 0, N, group_size,
+    if (M > 0)
+      k_->lowbit_q8_rows(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data_ptr<int32_t>(), M, K,
+                         static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT, scale.data_ptr(),
+                         t.derived ? nullptr : offset.data_ptr(), t.half ? 1 : 0, N, group_size,
                          out.data_ptr<float>());
     return out;
   }
 
-  // x [M, K] float32 (K a multiple of 32) -> [q [M, K] int8 (bits 8) or int16 (bits 16), scale [M, K/32] float32,
-  // qsum [M, K/32] int32]: the bits of cpu_matmul.quantize_rows
-  std::vector<at::Tensor> quantize_rows(at::Tensor x, int64_t bits) const {
-    TORCH_CHECK(bits == 8 || bits == 16, "quantize_rows: bits 8 or 16");
-    TORCH_CHECK(bits == 8 ? has_q8_rows() : has_q16_rows(), "quantize_rows: the ", k_->variant,
-                " kernel library is of interface version ", k_->abi, ", before ", bits == 8 ? "it (3)" : "int16 rows (4)");
+  // x [M, K] float32 (K a multiple of 32) -> [q [M, K] int8, scale [M, K/32] float32, qsum [M, K/32] int32]: the
+  // bits of cpu_matmul.quantize_rows
+  std::vector<at::Tensor> quantize_rows(at::Tensor x) const {
+    TORCH_CHECK(has_q8_rows(), "quantize_rows: the ", k_->variant, " kernel library is of interface version ",
+                k_->abi, ", before it (3)");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
                 "x: [M, K] float32, K a multiple of 32");
     const int64_t M = x.size(0), K = x.size(1);
-    auto q = at::empty({M, K}, x.options().dtype(bits == 8 ? at::kChar : at::kShort));
+    auto q = at::empty({M, K}, x.options().dtype(at::kChar));
     auto scale = at::empty({M, K / 32}, x.options());
     auto qsum = at::empty({M, K / 32}, x.options().dtype(at::kInt));
-    if (M > 0 && K > 0 && bits == 8)
+    if (M > 0 && K > 0)
       k_->quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                         qsum.data_ptr<int32_t>());
-    else if (M > 0 && K > 0)
-      k_->quantize_rows16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), scale.data_ptr<float>(),
-                          qsum.data_ptr<int32_t>());
     return {q, scale, qsum};
   }
 
@@ -301,9 +286,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lowbit_matmul", &Kernels::lowbit_matmul)
       .def("silu_mul", &Kernels::silu_mul)
       .def_property_readonly("has_q8_rows", &Kernels::has_q8_rows)
-      .def_property_readonly("has_q16_rows", &Kernels::has_q16_rows)
       .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows)
-      .def("quantize_rows", &Kernels::quantize_rows, pybind11::arg("x"), pybind11::arg("bits") = 8);
+      .def("quantize_rows", &Kernels::quantize_rows);
   m.def("threads_used", [](int64_t n) {
         std::pair<std::mutex, std::set<int>> seen;
         parallel_for(0, n, 1, [](void* ctx, int64_t, int64_t) {

@@ -75,7 +75,7 @@ VARIANT_FLAGS: dict[str, dict[str, tuple[str, ...]]] = {
 
 #: the kernels the self-check can turn off one by one
 KERNELS = ("layer_ops", "decode_attention", "prompt_attention", "lowbit_matmul", "silu_mul",
-           "lowbit_q8_rows", "lowbit_q16_rows")
+           "lowbit_q8_rows")
 
 
 def enabled() -> bool:

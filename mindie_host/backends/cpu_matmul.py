@@ -45,16 +45,11 @@ def loaded() -> bool:
     return cpu_extensions.active("lowbit_matmul") is not None
 
 
-def q8_rows_loaded(bits: int = 8) -> bool:
-    """Whether the active kernels have the prompt-row product for int8 (``lowbit_q8_rows``) or int16
-    (``lowbit_q16_rows``) rows, which the self-check may each turn off on its own; never builds them."""
-    mod = cpu_extensions.active(_ROWS_KERNEL[bits])
-    return mod is not None and bool(getattr(mod, _ROWS_FLAG[bits], False))
-
-
-#: the kernel (:data:`~mindie_host.backends.cpu_extensions.KERNELS`) and the library flag of each width of rows
-_ROWS_KERNEL = {8: "lowbit_q8_rows", 16: "lowbit_q16_rows"}
-_ROWS_FLAG = {8: "has_q8_rows", 16: "has_q16_rows"}
+def q8_rows_loaded() -> bool:
+    """Whether the active kernels have the int8 prompt-row product (``lowbit_q8_rows``, which the self-check may turn
+    off on its own; never builds them)."""
+    mod = cpu_extensions.active("lowbit_q8_rows")
+    return mod is not None and bool(getattr(mod, "has_q8_rows", False))
 
 
 def activation_dtype() -> torch.dtype:
@@ -198,16 +193,15 @@ class LowBitTiles:
         return codes - 8 if self.codes.dtype == torch.uint8 and not self.stored_offsets else codes
 
     def q8_rows(self, rows: QuantizedRows, values: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T`` in float32 for int8 or int16 rows (:func:`quantize_rows`): the active kernels'
-        ``lowbit_q8_rows`` (integer dot products per group of 32 inputs), else :func:`q8_rows_reference` (given
-        ``values``, :meth:`int_values`, when the caller keeps them), the same bits. The weights' groups must be whole
-        groups of the rows (a multiple of :data:`Q8_GROUP` inputs; not a Q6_K head's 16)."""
+        """``x @ W.T`` in float32 for int8 rows (:func:`quantize_rows`): the active kernels' ``lowbit_q8_rows``
+        (integer dot products per group of 32 inputs), else :func:`q8_rows_reference` (given ``values``,
+        :meth:`int_values`, when the caller keeps them), the same bits. The weights' groups must be whole groups of
+        the rows (a multiple of :data:`Q8_GROUP` inputs; not a Q6_K head's 16)."""
         if self.group_size % Q8_GROUP:
-            raise ValueError(f"quantized rows take weight groups of a multiple of {Q8_GROUP} inputs, "
-                             f"not {self.group_size}")
-        if not q8_rows_loaded(rows.bits):
+            raise ValueError(f"int8 rows take weight groups of a multiple of {Q8_GROUP} inputs, not {self.group_size}")
+        mod = cpu_extensions.active("lowbit_q8_rows")
+        if mod is None or not getattr(mod, "has_q8_rows", False):
             return q8_rows_reference(rows, self, values)
-        mod = cpu_extensions.active(_ROWS_KERNEL[rows.bits])
         return mod.lowbit_q8_rows(rows.q, rows.scale, rows.qsum, self.codes, self.scale, self.offset, self.n,
                                   self.group_size)
 
@@ -220,73 +214,57 @@ class LowBitTiles:
 
 
 class QuantizedRows:
-    """Rows of activations in int8 or int16 groups of :data:`Q8_GROUP`: ``x[m, k] ~ q[m, k] * scale[m, k // 32]``.
+    """Rows of activations in int8 groups of :data:`Q8_GROUP`: ``x[m, k] ~ q[m, k] * scale[m, k // 32]``.
 
-    ``q`` int8 ``[M, K]`` in -127..127 (or int16 in -32767..32767), ``scale`` float32 ``[M, K / 32]`` (each group's
-    largest magnitude over 127, or 32767), ``qsum`` int32 ``[M, K / 32]`` (each group's sum of codes, for the
-    weights' offsets).
+    ``q`` int8 ``[M, K]`` in -127..127, ``scale`` float32 ``[M, K / 32]`` (each group's largest magnitude over 127),
+    ``qsum`` int32 ``[M, K / 32]`` (each group's sum of codes, for the weights' offsets).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor) -> None:
         self.q, self.scale, self.qsum = q, scale, qsum
 
-    @property
-    def bits(self) -> int:
-        """8 or 16: the codes' width."""
-        return 16 if self.q.dtype == torch.int16 else 8
 
-
-#: the largest code of each width of rows
-_ROWS_LIMIT = {8: 127, 16: 32767}
-
-
-def quantize_rows(x: torch.Tensor, bits: int = 8) -> QuantizedRows:
-    """``x [M, K]`` (K a multiple of :data:`Q8_GROUP`) as int8 (``bits`` 8) or int16 (16) groups: per row and group
-    of 32, the scale ``max|x| / limit`` (127 or 32767) and codes ``round(x * (1 / scale))`` (half to even; an
-    all-zero group has scale 0 and codes 0).
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """``x [M, K]`` (K a multiple of :data:`Q8_GROUP`) as int8 groups: per row and group of 32, the scale
+    ``max|x| / 127`` and codes ``round(x * (1 / scale))`` (half to even; an all-zero group has scale 0 and codes 0).
 
     Both the kernels and the reference multiply these same codes, so the rounding happens here once."""
-    limit = _ROWS_LIMIT[bits]
     m, k = x.shape
     groups = x.float().reshape(m, k // Q8_GROUP, Q8_GROUP)
-    scale = groups.abs().amax(-1) / limit
+    scale = groups.abs().amax(-1) / 127
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(groups * inv[..., None]).clamp_(-limit, limit).to(torch.int8 if bits == 8 else torch.int16)
+    q = torch.round(groups * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedRows(q.reshape(m, k), scale, q.sum(-1, dtype=torch.int32))
 
 
-def quantize_rows_kernel(x: torch.Tensor, bits: int = 8) -> QuantizedRows:
+def quantize_rows_kernel(x: torch.Tensor) -> QuantizedRows:
     """:func:`quantize_rows` through the active kernels' ``quantize_rows`` (one pass over ``x``, the same bits;
     torch's dozen passes took 12-17 ms for 512 x 8192 rows, bench/PERF.md), else :func:`quantize_rows` itself."""
-    if not q8_rows_loaded(bits) or x.shape[1] % Q8_GROUP:
-        return quantize_rows(x, bits)
-    mod = cpu_extensions.active(_ROWS_KERNEL[bits])
-    return QuantizedRows(*mod.quantize_rows(x.float().contiguous(), bits))
+    mod = cpu_extensions.active("lowbit_q8_rows")
+    if mod is None or not getattr(mod, "has_q8_rows", False) or x.shape[1] % Q8_GROUP:
+        return quantize_rows(x)
+    return QuantizedRows(*mod.quantize_rows(x.float().contiguous()))
 
 
 def q8_rows_reference(rows: QuantizedRows, tiles: LowBitTiles, values: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` for int8 or int16 rows, in torch, with the bits of the kernels' ``lowbit_q8_rows``:
+    """``x @ W.T`` for int8 rows, in torch, with the bits of the kernels' ``lowbit_q8_rows``:
 
     for each group g of 32 inputs in order, with ``w = g * 32 // group_size`` the weights' group,
         ``isum = sum_k c[n, k] * q[m, k]``  (exact integers: c the weight's integer value, see :meth:`LowBitTiles.int_values`)
         ``acc = acc + (scale[n, w] * xscale[m, g]) * isum``
         and where the weights store offsets: ``acc = acc + (offset[n, w] * xscale[m, g]) * qsum[m, g]``
-    each product and sum rounded to float32 on its own (no fused multiply-add), ``acc`` starting at 0; the integer
-    ``isum`` rounded to float32 once (int16 rows' sums pass 2**24).
+    each product and sum rounded to float32 on its own (no fused multiply-add), ``acc`` starting at 0.
     ``values`` is :meth:`LowBitTiles.int_values` when the caller keeps it."""
     c = tiles.int_values() if values is None else values
     _, scale, offset = tiles.groups()
     m, k = rows.q.shape
-    if rows.bits == 16:  # sums up to 32 * 128 * 32767: exact in float64, then rounded once, as the kernels' convert
-        q, c = rows.q.double(), c.double()
-    else:
-        q = rows.q.float()
+    q = rows.q.float()
     acc = torch.zeros(m, tiles.n)
     per = tiles.group_size // Q8_GROUP
     stored = tiles.stored_offsets
     for g in range(k // Q8_GROUP):
         cols = slice(g * Q8_GROUP, (g + 1) * Q8_GROUP)
-        isum = (q[:, cols] @ c[:, cols].T).float()  # exact integers in any order (int8 rows' below 2**24), rounded once
+        isum = q[:, cols] @ c[:, cols].T  # integers below 2**24 in magnitude: exact in float32, in any order
         xs = rows.scale[:, g, None]
         acc = acc + (scale[None, :, g // per] * xs) * isum
         if stored:

@@ -133,13 +133,12 @@ def _lowbit(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float
     return out
 
 
-def _quantized_rows(k: Any, s: ModelShapes, g: torch.Generator,
-                    bits: int) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
-    """int8 or int16 prompt rows (and the kernels' quantizing of them) against their torch reference, bit for bit
-    (allowed error 0): every rounding is fixed."""
+def _q8_rows(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
+    """int8 prompt rows (and the kernels' quantizing of them) against their torch reference, bit for bit (allowed
+    error 0): every rounding is fixed."""
     from .cpu_matmul import Q8_GROUP, LowBitTiles, q8_rows_reference, quantize_rows
 
-    if not getattr(k, "has_q8_rows" if bits == 8 else "has_q16_rows", False):  # a library before these rows
+    if not getattr(k, "has_q8_rows", False):  # a library before the int8 rows (interface version 2): nothing to run
         return []
     out = []
     for kind, cols, group_size in s.low_bit:
@@ -158,14 +157,14 @@ def _quantized_rows(k: Any, s: ModelShapes, g: torch.Generator,
         for tiles in forms:
             # seven rows: a block of six and a lone one (the reference loops over the groups in torch: ~10 ms at K 8192)
             x = torch.randn(7, cols, generator=g) * torch.logspace(-3, 3, 7)[:, None]
-            q = quantize_rows(x, bits)
-            mine = k.quantize_rows(x, bits)
-            out.append((f"quantize_rows to int{bits}, {cols} columns: codes, scales and sums", 0.0,
+            q = quantize_rows(x)
+            mine = k.quantize_rows(x)
+            out.append((f"quantize_rows {cols} columns: codes, scales and sums", 0.0,
                         torch.cat([mine[0].flatten().float(), mine[1].flatten(), mine[2].flatten().float()]),
                         torch.cat([q.q.flatten().float(), q.scale.flatten(), q.qsum.flatten().float()])))
             got = k.lowbit_q8_rows(q.q, q.scale, q.qsum, tiles.codes, tiles.scale, tiles.offset, tiles.n,
                                    tiles.group_size)
-            out.append((f"int{bits} rows {kind} {cols} columns, groups of {group_size}, "
+            out.append((f"lowbit_q8_rows {kind} {cols} columns, groups of {group_size}, "
                         f"{'stored' if tiles.stored_offsets else 'derived'} offsets, 7 rows", 0.0, got,
                         q8_rows_reference(q, tiles)))
     return out
@@ -185,8 +184,7 @@ CHECKS: dict[str, Callable[[Any, ModelShapes, torch.Generator], list[tuple[str, 
     "prompt_attention": lambda k, s, g: _attention(k, s, g, "prompt_attention"),
     "lowbit_matmul": _lowbit,
     "silu_mul": _silu_mul,
-    "lowbit_q8_rows": lambda k, s, g: _quantized_rows(k, s, g, 8),
-    "lowbit_q16_rows": lambda k, s, g: _quantized_rows(k, s, g, 16),
+    "lowbit_q8_rows": _q8_rows,
 }
 
 

@@ -12,8 +12,7 @@
 // such as bench/lowbit_shapes.py --compare alternate with this one) still loads, for float32 scales only
 // 3: lowbit_q8_rows and quantize_rows appended at the end (int8 prompt rows); a library of version 2 or 1 still
 // loads, without them
-// 4: lowbit_q16_rows and quantize_rows16 appended at the end (int16 prompt rows); older libraries load without them
-#define MINDIE_HOST_KERNELS_ABI 4
+#define MINDIE_HOST_KERNELS_ABI 3
 
 extern "C" {
 
@@ -68,12 +67,6 @@ struct mh_kernels {
   // (version 3) x [M, K] float32 as the int8 rows lowbit_q8_rows takes, per row and group of 32: scale = max|x| / 127,
   // q = round-half-even(x * (1 / scale)) (0 where the scale is 0) and the codes' sum, as cpu_matmul.quantize_rows
   void (*quantize_rows)(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum);
-  // (version 4) lowbit_q8_rows for int16 rows (xw [M, K] int16), the same groups, scales and arithmetic
-  void (*lowbit_q16_rows)(const int16_t* xw, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
-                          const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset,
-                          int half_scales, int64_t N, int64_t group_size, float* out);
-  // (version 4) quantize_rows to int16: scale = max|x| / 32767, codes within 32767
-  void (*quantize_rows16)(const float* x, int64_t M, int64_t K, int16_t* q, float* scale, int32_t* qsum);
 };
 
 // The table of the variant this library was built as.
@@ -136,9 +129,5 @@ void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum,
                     const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,
                     int64_t N, int64_t group_size, float* out);
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum);
-void lowbit_q16_rows(const int16_t* xw, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
-                     const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,
-                     int64_t N, int64_t group_size, float* out);
-void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* scale, int32_t* qsum);
 }  // namespace mh
 #endif

@@ -117,41 +117,11 @@ def prompt_int8_enabled() -> bool:
     return True
 
 
-def prompt_int16_enabled() -> bool:
-    """Whether prompt rows of low-bit matrices are multiplied in int16 groups of 32 (``MINDIE_HOST_PROMPT_INT16=1``;
-    off by default): each row quantized per group of 32 to int16 (a relative step of 2^-15 of the group's largest
-    value, finer than bfloat16's 2^-8 of each value), multiplied by the weights' exact integers with integer sums
-    (AVX2's VPMADDWD, AVX512-VNNI's VPDPWSSD). On AVX2, 1.05-1.27x the float32 rows' product (bench/PERF.md, "Int16
-    prompt rows"). Only where the CPU has integer multiply-adds (the avx2 and avx512 profiles); 1 elsewhere, 1 beside
-    ``MINDIE_HOST_PROMPT_INT8=1``, or any value but 0 and 1 is an error."""
-    raw = os.environ.get("MINDIE_HOST_PROMPT_INT16", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MINDIE_HOST_PROMPT_INT16 must be 0 or 1; got {raw!r}")
-    if raw != "1":
-        return False
-    if prompt_int8_enabled():
-        raise ValueError("MINDIE_HOST_PROMPT_INT16=1 and MINDIE_HOST_PROMPT_INT8=1: choose one width of prompt rows")
-    prof = cpu_profile.profile()
-    if prof.int8_products is None:
-        raise RuntimeError(f"MINDIE_HOST_PROMPT_INT16=1: the {prof.isa} profile has no native integer multiply-add "
-                           f"(allowed there: 0)")
-    return True
-
-
-def prompt_row_bits() -> int:
-    """The width prompt rows of low-bit matrices are quantized to: 8 (:func:`prompt_int8_enabled`), 16
-    (:func:`prompt_int16_enabled`), or 0 (not quantized)."""
-    if prompt_int16_enabled():  # (an error beside MINDIE_HOST_PROMPT_INT8=1)
-        return 16
-    return 8 if prompt_int8_enabled() else 0
-
-
 def prompt_bf16_enabled() -> bool:
     """Whether a low-bit matrix multiplies prompt tokens in bfloat16: on CPUs with native bfloat16 (the avx512
-    profile), unless ``MINDIE_HOST_PROMPT_BF16=0`` keeps the low-bit kernel for them too, or prompt rows are
-    quantized (:func:`prompt_row_bits`). See :class:`PromptRows`."""
+    profile), unless ``MINDIE_HOST_PROMPT_BF16=0`` keeps the low-bit kernel for them too. See :class:`PromptRows`."""
     return (os.environ.get("MINDIE_HOST_PROMPT_BF16", "1") != "0" and cpu_profile.profile().native_bf16
-            and not prompt_row_bits())
+            and not prompt_int8_enabled())
 
 
 class PromptRows:
@@ -328,36 +298,27 @@ class LowBitWeight:
         self.prompt_weight: torch.Tensor | None = None
         #: the dtype activations are rounded to (the CPU profile's: bfloat16 with native bf16, else float32)
         self.act_dtype = cpu_profile.profile().compute_dtype
-        #: batch-invariant mode: prompt rows in int8 or int16 groups (8 or 16: :meth:`quantized_product`) instead of a
-        #: bfloat16 copy, or 0
-        self.prompt_bits = 0
+        #: batch-invariant mode: prompt rows in int8 groups (:meth:`int8_product`) instead of a bfloat16 copy
+        self.prompt_int8 = False
         self._dequantized: torch.Tensor | None = None
         self._int_values: torch.Tensor | None = None
 
-    def use_quantized_prompts(self, bits: int) -> bool:
-        """Multiply prompt rows in int8 (``bits`` 8) or int16 (16) groups from now on, where this matrix allows it
-        (low-bit tiles whose groups are whole groups of :data:`~mindie_host.backends.cpu_matmul.Q8_GROUP` inputs);
-        returns whether."""
+    def use_int8_prompts(self) -> bool:
+        """Multiply prompt rows in int8 groups from now on, where this matrix allows it (low-bit tiles whose
+        groups are whole groups of :data:`~mindie_host.backends.cpu_matmul.Q8_GROUP` inputs); returns whether."""
         tiles = self.tiles
-        fits = (tiles is not None and tiles.group_size % cpu_matmul.Q8_GROUP == 0
-                and self.shape[1] % cpu_matmul.Q8_GROUP == 0)
-        self.prompt_bits = bits if fits else 0
-        return fits
+        self.prompt_int8 = (tiles is not None and tiles.group_size % cpu_matmul.Q8_GROUP == 0
+                            and self.shape[1] % cpu_matmul.Q8_GROUP == 0)
+        return self.prompt_int8
 
-    @property
-    def prompt_int8(self) -> bool:
-        """Whether prompt rows are multiplied in int8 groups."""
-        return self.prompt_bits == 8
-
-    def quantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` in float32 for prompt rows: ``x`` quantized per row and group of 32 to int8 or int16
-        (:attr:`prompt_bits`; :func:`~mindie_host.backends.cpu_matmul.quantize_rows`), multiplied by the weights'
-        exact integer codes with integer sums, the scales applied per group; each row's bits do not depend on the
-        others. The kernel when it is on, else torch with the same bits
-        (:func:`~mindie_host.backends.cpu_matmul.q8_rows_reference`)."""
+    def int8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in float32 for prompt rows: ``x`` quantized per row and group of 32 to int8
+        (:func:`~mindie_host.backends.cpu_matmul.quantize_rows`), multiplied by the weights' exact integer codes
+        with integer sums, the scales applied per group; each row's bits do not depend on the others. The kernel
+        when it is on, else torch with the same bits (:func:`~mindie_host.backends.cpu_matmul.q8_rows_reference`)."""
         assert self.tiles is not None
-        rows = cpu_matmul.quantize_rows_kernel(x, self.prompt_bits)
-        if not cpu_matmul.q8_rows_loaded(self.prompt_bits) and self._int_values is None:
+        rows = cpu_matmul.quantize_rows_kernel(x)
+        if not cpu_matmul.q8_rows_loaded() and self._int_values is None:
             self._int_values = self.tiles.int_values()  # the reference's integer weights, kept
         return self.tiles.q8_rows(rows, self._int_values)
 
@@ -389,7 +350,7 @@ class LowBitWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if self.dense is None:  # batch-invariant: one kernel per kind of token, at every row count
-            if prompt_rows is not None and (self.prompt_weight is not None or self.prompt_bits) and x.dim() == 2:
+            if prompt_rows is not None and (self.prompt_weight is not None or self.prompt_int8) and x.dim() == 2:
                 out = self._by_kind(x, prompt_rows)
             else:
                 out = self.small_product(x.reshape(-1, x.shape[-1])).to(x.dtype)
@@ -402,10 +363,9 @@ class LowBitWeight:
 
 
     def _prompt_product(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows' ``x @ W.T``: in int8 or int16 groups (:meth:`quantized_product`) or through the bfloat16
-        copy."""
-        if self.prompt_bits:
-            return self.quantized_product(x)
+        """Prompt rows' ``x @ W.T``: in int8 groups (:meth:`int8_product`) or through the bfloat16 copy."""
+        if self.prompt_int8:
+            return self.int8_product(x)
         assert self.prompt_weight is not None
         return prompt_product(x, self.prompt_weight)
 

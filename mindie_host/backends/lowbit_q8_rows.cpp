@@ -1,5 +1,4 @@
-// Int8 and int16 prompt rows times low-bit weights (lowbit_q8_rows, lowbit_q16_rows): integer dot products per
-// group of 32 inputs.
+// Int8 prompt rows times low-bit weights (lowbit_q8_rows): integer dot products per group of 32 inputs.
 //
 // Prompt rows (hundreds of rows a product) make lowbit_matmul arithmetic-bound; here the activations come quantized
 // per row and group of 32 inputs to int8 (mindie_host/backends/cpu_matmul.py quantize_rows: codes q in -127..127,
@@ -25,13 +24,6 @@
 //   no saturation) before one VPMADDWD, then -bias * qsum as above; int8: |c| (<= 128) times q with c's sign
 //   (VPSIGNB), each step's pairs (<= 2 * 128 * 127 = 32512) widened to int32 at once.
 // * portable (and neon): plain int32 loops over a buffer of the integers [K][32].
-//
-// Int16 prompt rows (lowbit_q16_rows): the same groups, scales, sums and float32 steps, the rows' codes in int16
-// (scale max|x| / 32767, codes within 32767: a 16-bit code per input, where int8 keeps 8), the weights' integers
-// signed (Q4_0's code - 8, Q4_1's code, the int8 code) in int16 pairs [K/2][32][2], so |isum| <= 32 * 128 * 32767
-// < 2^31 stays exact. avx512: VPDPWSSD (AVX512-VNNI), six rows by 32 columns; avx2: VPMADDWD then VPADDD, three rows
-// by 16 columns (AVX2 multiplies int16 pairs at about 1.6x its float32 FMA's rate: bench/isa_peak.cpp); portable:
-// the int32 loops over the integers, the rows' codes int16.
 #define MINDIE_HOST_KERNEL_SOURCE 1
 #include <algorithm>
 #include <cmath>
@@ -57,8 +49,7 @@ inline float scale_at(const uint16_t* p) { return mh::half_to_float(*p); }
 
 // What every block of rows reads: the rows' codes, scales and code sums, and the weights' grouping.
 struct Rows {
-  const int8_t* xq;       // [M, K] int8 rows (lowbit_q8_rows), or null
-  const int16_t* xw;      // [M, K] int16 rows (lowbit_q16_rows), or null
+  const int8_t* xq;       // [M, K]
   const float* xscale;    // [M, G]
   const int32_t* xqsum;   // [M, G]
   int64_t K, G;           // G = K / 32
@@ -180,17 +171,6 @@ MH_ALWAYS_INLINE void scale_group(vfloat (&res)[MR][2], const vint (&acc)[MR][2]
 #if defined(MH_AVX512)
 // -- avx512: VPDPBUSD, 16 columns a register ------------------------------------------------------------------------
 
-// Rows m .. m + MR of a tile's 32 columns (n0 ..) into out, the ragged last tile's columns masked.
-template <int MR>
-MH_ALWAYS_INLINE void store_tile(const __m512 (&res)[MR][2], float* out, int64_t m, int64_t N, int64_t n0) {
-  for (int j = 0; j < 2; ++j) {
-    const int64_t c0 = n0 + j * 16, cols = std::min<int64_t>(16, N - c0);
-    if (cols <= 0) break;
-    const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m + r) * N + c0, mask, res[r][j]);
-  }
-}
-
 // Rows x[0 .. MR) of the tile whose quads are in buf (scales s, stored offsets o), columns n0 .. n0 + 32 of out.
 template <int MR, bool STORED, typename Sc>
 void rows_block(const Rows& R, int64_t m, const uint8_t* buf, const Sc* s, const Sc* o, float* out, int64_t N,
@@ -214,7 +194,12 @@ void rows_block(const Rows& R, int64_t m, const uint8_t* buf, const Sc* s, const
     }
     scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, 0);
   }
-  store_tile(res, out, m, N, n0);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t c0 = n0 + j * 16, cols = std::min<int64_t>(16, N - c0);
+    if (cols <= 0) break;
+    const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m + r) * N + c0, mask, res[r][j]);
+  }
 }
 
 // Every row over one tile's quads, six at a time, then the rest in one block.
@@ -235,24 +220,6 @@ void tile_rows(const Rows& R, int64_t M, const uint8_t* buf, const Sc* s, const 
 
 #elif defined(MH_AVX2)
 // -- avx2: VPMADDUBSW + VPMADDWD, 8 columns a register, a tile in two halves of 16 columns --------------------------
-
-// Rows m .. m + MR of 16 columns (c0 ..) into out, a ragged last tile's columns through a buffer.
-template <int MR>
-MH_ALWAYS_INLINE void store_half(const __m256 (&res)[MR][2], float* out, int64_t m, int64_t N, int64_t c0) {
-  const int64_t cols = std::min<int64_t>(16, N - c0);
-  for (int r = 0; r < MR; ++r) {
-    float* row = out + (m + r) * N + c0;
-    if (cols >= 16) {
-      _mm256_storeu_ps(row, res[r][0]);
-      _mm256_storeu_ps(row + 8, res[r][1]);
-    } else {
-      float tmp[16];
-      _mm256_storeu_ps(tmp, res[r][0]);
-      _mm256_storeu_ps(tmp + 8, res[r][1]);
-      for (int64_t c = 0; c < cols; ++c) row[c] = tmp[c];
-    }
-  }
-}
 
 // Rows x[0 .. MR) over half h (16 columns) of the tile whose quads are in buf.
 template <int MR, bool INT4, bool STORED, typename Sc>
@@ -301,7 +268,19 @@ void rows_block(const Rows& R, int64_t m, const uint8_t* buf, int h, const Sc* s
     }
     scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, h * 16);
   }
-  store_half(res, out, m, N, n0 + h * 16);
+  const int64_t c0 = n0 + h * 16, cols = std::min<int64_t>(16, N - c0);
+  for (int r = 0; r < MR; ++r) {
+    float* row = out + (m + r) * N + c0;
+    if (cols >= 16) {
+      _mm256_storeu_ps(row, res[r][0]);
+      _mm256_storeu_ps(row + 8, res[r][1]);
+    } else {
+      float tmp[16];
+      _mm256_storeu_ps(tmp, res[r][0]);
+      _mm256_storeu_ps(tmp + 8, res[r][1]);
+      for (int64_t c = 0; c < cols; ++c) row[c] = tmp[c];
+    }
+  }
 }
 
 // Every row over one tile's quads, a half at a time, three rows at a time (12 accumulators and the two weight
@@ -343,13 +322,12 @@ void unpack_ints(const uint8_t* tile, bool int4, int sub, int64_t K, int8_t* buf
     }
 }
 
-// Rows of int8 or int16 codes (Q) over one tile's integers.
-template <typename Q, typename Sc>
-void tile_rows(const Rows& R, const Q* xq, int64_t M, const int8_t* buf, const Sc* s, const Sc* o, float* out,
-               int64_t N, int64_t n0) {
+template <typename Sc>
+void tile_rows(const Rows& R, int64_t M, const int8_t* buf, const Sc* s, const Sc* o, float* out, int64_t N,
+               int64_t n0) {
   const int64_t cols = std::min<int64_t>(kTile, N - n0);
   for (int64_t m = 0; m < M; ++m) {
-    const Q* x = xq + m * R.K;
+    const int8_t* x = R.xq + m * R.K;
     float acc[kTile] = {};
     for (int64_t g = 0; g < R.G; ++g) {
       int32_t isum[kTile] = {};
@@ -372,199 +350,43 @@ void tile_rows(const Rows& R, const Q* xq, int64_t M, const int8_t* buf, const S
 }
 #endif
 
-// -- int16 rows (lowbit_q16_rows) -------------------------------------------------------------------------------
-
-#if defined(MH_AVX512) || defined(MH_AVX2)
-// One tile's weight integers c as int16 pairs [K/2][32][2]: lane c of pair step p holds column c's k = 2p (low half)
-// and k = 2p + 1 (high half), the operands of VPMADDWD and VPDPWSSD: 4-bit codes minus ``sub``, int8 codes as they
-// are. AVX2 instructions, in both SIMD variants.
-void unpack_pairs16(const uint8_t* tile, bool int4, int32_t sub, int64_t K, int16_t* buf) {
-  const __m256i low = _mm256_set1_epi32(0xFFFF), subv = _mm256_set1_epi32(sub), nibble = _mm256_set1_epi32(15);
-  for (int64_t p = 0; p < K / 2; ++p)
-    for (int c8 = 0; c8 < 4; ++c8) {
-      __m256i a, b;
-      if (int4) {  // byte p of 8 columns: k = 2p in its low nibble, 2p + 1 in its high one
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-            tile + p * kTile + c8 * 8)));
-        a = _mm256_sub_epi32(_mm256_and_si256(v, nibble), subv);
-        b = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), subv);
-      } else {  // 8 columns' pairs: 16-bit words (k1 << 8 | k0), each byte sign-extended
-        const __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            tile + p * 2 * kTile + c8 * 16)));
-        a = _mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24);
-        b = _mm256_srai_epi32(w, 8);
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + (p * kTile + c8 * 8) * 2),
-                          _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi32(b, 16)));
-    }
-}
-
-// Row r's codes k and k + 1 in every lane
-MH_ALWAYS_INLINE int32_t pair16(const int16_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, sizeof(v));
-  return v;
-}
-#endif
-
-#if defined(MH_AVX512)
-// Rows x[0 .. MR) of the tile whose int16 pairs are in buf: VPDPWSSD (AVX512-VNNI), exact int32 sums per group.
-template <int MR, bool STORED, typename Sc>
-void rows_block16(const Rows& R, int64_t m, const int16_t* buf, const Sc* s, const Sc* o, float* out, int64_t N,
-                  int64_t n0) {
-  __m512 res[MR][2];
-  for (int r = 0; r < MR; ++r) res[r][0] = res[r][1] = _mm512_setzero_ps();
-  const int16_t* x = R.xw + m * R.K;
-  const float* xs = R.xscale + m * R.G;
-  const int32_t* qs = R.xqsum + m * R.G;
-  for (int64_t g = 0; g < R.G; ++g) {
-    __m512i acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    const int16_t* bg = buf + g * (kGroup / 2) * kTile * 2;
-    for (int p = 0; p < kGroup / 2; ++p) {
-      const __m512i w0 = _mm512_loadu_si512(bg + p * 2 * kTile), w1 = _mm512_loadu_si512(bg + p * 2 * kTile + 32);
-      for (int r = 0; r < MR; ++r) {
-        const __m512i xb = _mm512_set1_epi32(pair16(x + r * R.K + g * kGroup + 2 * p));
-        acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], xb, w0);
-        acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], xb, w1);
-      }
-    }
-    scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, 0);
-  }
-  store_tile(res, out, m, N, n0);
-}
-
-template <bool STORED, typename Sc>
-void tile_rows16(const Rows& R, int64_t M, const int16_t* buf, const Sc* s, const Sc* o, float* out, int64_t N,
-                 int64_t n0) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) rows_block16<6, STORED>(R, m, buf, s, o, out, N, n0);
-  switch (M - m) {
-    case 5: rows_block16<5, STORED>(R, m, buf, s, o, out, N, n0); break;
-    case 4: rows_block16<4, STORED>(R, m, buf, s, o, out, N, n0); break;
-    case 3: rows_block16<3, STORED>(R, m, buf, s, o, out, N, n0); break;
-    case 2: rows_block16<2, STORED>(R, m, buf, s, o, out, N, n0); break;
-    case 1: rows_block16<1, STORED>(R, m, buf, s, o, out, N, n0); break;
-    default: break;
-  }
-}
-#elif defined(MH_AVX2)
-// Rows x[0 .. MR) over half h (16 columns) of the tile whose int16 pairs are in buf: VPMADDWD (int16 pairs to int32)
-// and VPADDD, exact int32 sums per group (|isum| <= 32 * 128 * 32767 < 2^31).
-template <int MR, bool STORED, typename Sc>
-void rows_block16(const Rows& R, int64_t m, const int16_t* buf, int h, const Sc* s, const Sc* o, float* out,
-                  int64_t N, int64_t n0) {
-  __m256 res[MR][2];
-  for (int r = 0; r < MR; ++r) res[r][0] = res[r][1] = _mm256_setzero_ps();
-  const int16_t* x = R.xw + m * R.K;
-  const float* xs = R.xscale + m * R.G;
-  const int32_t* qs = R.xqsum + m * R.G;
-  for (int64_t g = 0; g < R.G; ++g) {
-    __m256i acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const int16_t* bg = buf + g * (kGroup / 2) * kTile * 2 + h * 32;
-    for (int p = 0; p < kGroup / 2; ++p) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + p * 2 * kTile));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + p * 2 * kTile + 16));
-      for (int r = 0; r < MR; ++r) {
-        const __m256i xb = _mm256_set1_epi32(pair16(x + r * R.K + g * kGroup + 2 * p));
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
-      }
-    }
-    scale_group<MR, STORED>(res, acc, R, xs, qs, g, s, o, h * 16);
-  }
-  store_half(res, out, m, N, n0 + h * 16);
-}
-
-// Every row over one tile's pairs, a half at a time, three rows at a time (as tile_rows), then the rest in one block.
-template <bool STORED, typename Sc>
-void tile_rows16(const Rows& R, int64_t M, const int16_t* buf, const Sc* s, const Sc* o, float* out, int64_t N,
-                 int64_t n0) {
-  for (int h = 0; h < 2; ++h) {
-    if (n0 + h * 16 >= N) break;
-    int64_t m = 0;
-    for (; m + 3 <= M; m += 3) rows_block16<3, STORED>(R, m, buf, h, s, o, out, N, n0);
-    switch (M - m) {
-      case 2: rows_block16<2, STORED>(R, m, buf, h, s, o, out, N, n0); break;
-      case 1: rows_block16<1, STORED>(R, m, buf, h, s, o, out, N, n0); break;
-      default: break;
-    }
-  }
-}
-#endif
-
-// Each tile in turn, on the host's threads, each thread with its own buffer of ``buf_size`` B:
-// body(the tile's codes, its scales, its stored offsets or null, its first column, the buffer).
-template <typename B, typename Sc, typename Body>
-void over_tiles(const uint8_t* codes, int int4, int64_t NT, int64_t K, int64_t group_size, const Sc* scale,
-                const Sc* offset, int64_t buf_size, const Body& body) {
-  const int64_t GW = K / group_size, tile_bytes = (K / 2) * (int4 ? kTile : 2 * kTile);
-  mh::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<B> buf(buf_size);
-    for (int64_t t = t0; t < t1; ++t)
-      body(codes + t * tile_bytes, scale + t * GW * kTile, offset != nullptr ? offset + t * GW * kTile : nullptr,
-           t * kTile, buf.data());
-  });
-}
-
-#if defined(MH_AVX512) || defined(MH_AVX2)
-using QuadByte = uint8_t;  // the int8 rows' buffer: u8 quads
-using PairWord = int16_t;  // the int16 rows' buffer: int16 pairs
-#else
-using QuadByte = int8_t;  // both: the tile's integers
-using PairWord = int8_t;
-#endif
-
 template <typename Sc>
 void q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K, const uint8_t* codes,
              int int4, int64_t NT, const Sc* scale, const Sc* offset, int64_t N, int64_t group_size, float* out) {
   const bool stored = offset != nullptr;
-  const Rows R{xq, nullptr, xscale, xqsum, K, K / kGroup, group_size / kGroup, int4 ? (stored ? 0 : 8) : 128};
-  over_tiles<QuadByte>(codes, int4, NT, K, group_size, scale, offset, K * kTile,
-                       [&](const uint8_t* tile, const Sc* s, const Sc* o, int64_t n0, QuadByte* buf) {
-#if defined(MH_AVX512)
-    unpack_quads(tile, int4, !int4, K, buf);
-    if (stored)
-      tile_rows<true>(R, M, buf, s, o, out, N, n0);
-    else
-      tile_rows<false>(R, M, buf, s, o, out, N, n0);
-#elif defined(MH_AVX2)
-    unpack_quads(tile, int4, false, K, buf);
-    if (int4 && stored)
-      tile_rows<true, true>(R, M, buf, s, o, out, N, n0);
-    else if (int4)
-      tile_rows<true, false>(R, M, buf, s, o, out, N, n0);
-    else if (stored)
-      tile_rows<false, true>(R, M, buf, s, o, out, N, n0);
-    else
-      tile_rows<false, false>(R, M, buf, s, o, out, N, n0);
-#else
-    unpack_ints(tile, int4, stored ? 0 : 8, K, buf);
-    tile_rows(R, R.xq, M, buf, s, o, out, N, n0);
-#endif
-  });
-}
-
-template <typename Sc>
-void q16_rows(const int16_t* xw, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
-              const uint8_t* codes, int int4, int64_t NT, const Sc* scale, const Sc* offset, int64_t N,
-              int64_t group_size, float* out) {
-  const bool stored = offset != nullptr;
-  const Rows R{nullptr, xw, xscale, xqsum, K, K / kGroup, group_size / kGroup, 0};
-  const int32_t sub = int4 && !stored ? 8 : 0;  // Q4_0's integers: code - 8
-  over_tiles<PairWord>(codes, int4, NT, K, group_size, scale, offset, K * kTile,
-                       [&](const uint8_t* tile, const Sc* s, const Sc* o, int64_t n0, PairWord* buf) {
+  const Rows R{xq, xscale, xqsum, K, K / kGroup, group_size / kGroup, int4 ? (stored ? 0 : 8) : 128};
+  const int64_t GW = K / group_size, tile_bytes = (K / 2) * (int4 ? kTile : 2 * kTile);
+  mh::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
 #if defined(MH_AVX512) || defined(MH_AVX2)
-    unpack_pairs16(tile, int4, sub, K, buf);
-    if (stored)
-      tile_rows16<true>(R, M, buf, s, o, out, N, n0);
-    else
-      tile_rows16<false>(R, M, buf, s, o, out, N, n0);
+    std::vector<uint8_t> buf(K * kTile);
 #else
-    unpack_ints(tile, int4, sub, K, buf);
-    tile_rows(R, R.xw, M, buf, s, o, out, N, n0);
+    std::vector<int8_t> buf(K * kTile);
 #endif
+    for (int64_t t = t0; t < t1; ++t) {
+      const Sc* s = scale + t * GW * kTile;
+      const Sc* o = stored ? offset + t * GW * kTile : nullptr;
+      const int64_t n0 = t * kTile;
+#if defined(MH_AVX512)
+      unpack_quads(codes + t * tile_bytes, int4, !int4, K, buf.data());
+      if (stored)
+        tile_rows<true>(R, M, buf.data(), s, o, out, N, n0);
+      else
+        tile_rows<false>(R, M, buf.data(), s, o, out, N, n0);
+#elif defined(MH_AVX2)
+      unpack_quads(codes + t * tile_bytes, int4, false, K, buf.data());
+      if (int4 && stored)
+        tile_rows<true, true>(R, M, buf.data(), s, o, out, N, n0);
+      else if (int4)
+        tile_rows<true, false>(R, M, buf.data(), s, o, out, N, n0);
+      else if (stored)
+        tile_rows<false, true>(R, M, buf.data(), s, o, out, N, n0);
+      else
+        tile_rows<false, false>(R, M, buf.data(), s, o, out, N, n0);
+#else
+      unpack_ints(codes + t * tile_bytes, int4, stored ? 0 : 8, K, buf.data());
+      tile_rows(R, M, buf.data(), s, o, out, N, n0);
+#endif
+    }
   });
 }
 
@@ -585,48 +407,24 @@ void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum,
             static_cast<const float*>(offset), N, group_size, out);
 }
 
-// xw [M, K] int16 (cpu_matmul.quantize_rows with 16 bits), the rest as lowbit_q8_rows's.
-void lowbit_q16_rows(const int16_t* xw, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
-                     const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,
-                     int64_t N, int64_t group_size, float* out) {
-  if (half_scales)
-    q16_rows(xw, xscale, xqsum, M, K, codes, int4, NT, static_cast<const uint16_t*>(scale),
-             static_cast<const uint16_t*>(offset), N, group_size, out);
-  else
-    q16_rows(xw, xscale, xqsum, M, K, codes, int4, NT, static_cast<const float*>(scale),
-             static_cast<const float*>(offset), N, group_size, out);
-}
-
-}  // namespace mh
-
-namespace {
-
-// x [M, K] float32 -> q [M, K] of Q (int8: codes within 127; int16: within 32767), scale [M, K/32] float32, qsum
-// [M, K/32] int32: cpu_matmul.quantize_rows's bits (its torch steps are each one IEEE operation: max|x| / limit,
-// 1 / scale, x * inv, round half to even, clamp), one pass over x instead of torch's dozen (512 x 8192 rows: 12-17 ms
-// in torch, 50-70% of the int8 product).
-template <typename Q>
-void quantize_groups(const float* x, int64_t M, int64_t K, Q* q, float* scale, int32_t* qsum) {
-  constexpr float kLimit = sizeof(Q) == 1 ? 127.f : 32767.f;
-  mh::parallel_for(0, M * (K / kGroup), std::max<int64_t>(1, 4096 / kGroup), [&](int64_t b, int64_t e) {
+// x [M, K] float32 -> q [M, K] int8, scale [M, K/32] float32, qsum [M, K/32] int32: cpu_matmul.quantize_rows's
+// bits (its torch steps are each one IEEE operation: max|x| / 127, 1 / scale, x * inv, round half to even, clamp),
+// one pass over x instead of torch's dozen (512 x 8192 rows: 12-17 ms in torch, 50-70% of the int8 product).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum) {
+  parallel_for(0, M * (K / kGroup), std::max<int64_t>(1, 4096 / kGroup), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {  // group i of all rows' groups, at x + 32 i
       const float* xg = x + i * kGroup;
 #if defined(MH_AVX512)
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-      const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / kLimit;
-      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm512_set1_ps(-kLimit), hi = _mm512_set1_ps(kLimit);
+      const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
+      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
       constexpr int kEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as torch.round
       const __m512i ca = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
           _mm512_roundscale_ps(_mm512_mul_ps(a, inv), kEven), lo), hi));
       const __m512i cb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
           _mm512_roundscale_ps(_mm512_mul_ps(b, inv), kEven), lo), hi));
-      if constexpr (sizeof(Q) == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(ca));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(cb));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup), _mm512_cvtepi32_epi16(ca));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi16(cb));
-      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(ca));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(cb));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
 #elif defined(MH_AVX2)
       __m256 v[4], m = _mm256_setzero_ps();
@@ -635,22 +433,16 @@ void quantize_groups(const float* x, int64_t M, int64_t K, Q* q, float* scale, i
         v[j] = _mm256_loadu_ps(xg + 8 * j);
         m = _mm256_max_ps(m, _mm256_and_ps(v[j], magnitude));
       }
-      const float s = mh::reduce_max(m) / kLimit;
-      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm256_set1_ps(-kLimit), hi = _mm256_set1_ps(kLimit);
+      const float s = mh::reduce_max(m) / 127.f;
+      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
       __m256i c[4];
       for (int j = 0; j < 4; ++j)
         c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
             _mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
-      // int32 -> int8 or int16 (in range: no saturation), the packs' lane interleaving undone by one permutation
-      if constexpr (sizeof(Q) == 1) {
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
-                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      } else {
-        for (int j = 0; j < 4; j += 2)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 8 * j),
-                              _mm256_permute4x64_epi64(_mm256_packs_epi32(c[j], c[j + 1]), 0xD8));
-      }
+      // int32 -> int8 (in range: no saturation), the packs' lane interleaving undone by one permutation
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
       const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
       __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
       t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -666,14 +458,14 @@ void quantize_groups(const float* x, int64_t M, int64_t K, Q* q, float* scale, i
       }
       float amax;
       std::memcpy(&amax, &top, sizeof(amax));
-      const float s = amax / kLimit;
+      const float s = amax / 127.f;
       const float inv = s > 0.f ? 1.f / s : 0.f;
       int32_t sum = 0;
       for (int64_t j = 0; j < kGroup; ++j) {
         // nearbyint rounds half to even (the default rounding mode), as torch.round
-        const float v = std::min(std::max(std::nearbyint(xg[j] * inv), -kLimit), kLimit);
+        const float v = std::min(std::max(std::nearbyint(xg[j] * inv), -127.f), 127.f);
         const int32_t c = static_cast<int32_t>(v);
-        q[i * kGroup + j] = static_cast<Q>(c);
+        q[i * kGroup + j] = static_cast<int8_t>(c);
         sum += c;
       }
 #endif
@@ -681,19 +473,6 @@ void quantize_groups(const float* x, int64_t M, int64_t K, Q* q, float* scale, i
       qsum[i] = sum;
     }
   });
-}
-
-}  // namespace
-
-namespace mh {
-
-// The rows lowbit_q8_rows and lowbit_q16_rows take (quantize_groups).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum) {
-  quantize_groups(x, M, K, q, scale, qsum);
-}
-
-void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* scale, int32_t* qsum) {
-  quantize_groups(x, M, K, q, scale, qsum);
 }
 
 }  // namespace mh

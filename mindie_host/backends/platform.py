@@ -37,7 +37,7 @@ from .linear import (
     mkl_packing_available,
     prompt_bf16_enabled,
     prompt_copy_budget,
-    prompt_row_bits,
+    prompt_int8_enabled,
 )
 
 log = logging.getLogger("mindie_host.backends.platform")
@@ -149,11 +149,10 @@ class Platform:
             self.prompt_copies = True
             return
         budget = prompt_copy_budget()
-        bits = prompt_row_bits()
-        if bits:
+        if prompt_int8_enabled():
             self.prompt_copies = False
-            log.info("low-bit matrices: prompt rows in int%d groups of 32 (%s), weights kept only in the file's "
-                     "low-bit form", bits, cpu_profile.profile().int8_products)
+            log.info("low-bit matrices: prompt rows in int8 groups of 32 (%s), weights kept only in the file's "
+                     "low-bit form", cpu_profile.profile().int8_products)
             return
         if not prompt_bf16_enabled():
             self.prompt_copies = False
@@ -198,16 +197,15 @@ class Platform:
         prompt_copy = prompt_bf16_enabled() and self.prompt_copies
         if batch_invariant():  # one kernel per kind of token at every row count: low-bit, and bf16 for prompts
             low: LowBitWeight | None = None
-            bits = prompt_row_bits()
-            if bits:  # int8 or int16 prompt rows: the low-bit form serves every row, kernel on or off
+            if prompt_int8_enabled():  # int8 prompt rows: the low-bit form serves every row, kernel on or off
                 low = _low_bit_weight(stored, None)
-                if low.use_quantized_prompts(bits):
+                if low.use_int8_prompts():
                     return low
             if not cpu_matmul.loaded():
                 if not prompt_copy:
                     return PackedWeight(dense()) if mkl_packing_available() else dense()
                 low = ReferenceWeight(dense())
-            elif low is None:  # else the weight built above serves (its groups quantized rows cannot take: Q6_K's 16)
+            elif low is None:  # else the weight built above serves (its groups int8 rows cannot take: Q6_K's 16)
                 low = _low_bit_weight(stored, None)
             if prompt_copy:
                 low.keep_prompt_copy(dense())
