@@ -54,11 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                              # the sigkill test's survivors queue their answers on one server beside the other worker
                              "exception_config": {"max_retry": 3, "schedule_timeout": 600,
                                                   "first_token_timeout": 600, "infer_timeout": 900}},
-                controller={"rank_table_detecting_seconds": 1},
-                # one compute thread a server: two servers of two threads each, beside the suite's other worker on a
-                # two-core machine, spun in torch's thread barriers (the SIGKILL test 16 s alone, 107 s beside one
-                # busy core)
-                env={"OMP_NUM_THREADS": "1"})
+                controller={"rank_table_detecting_seconds": 1})
     c.start(timeout=300)
     yield c
     c.stop()
