@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <initializer_list>
+#include <utility>
 
 namespace {
 constexpr long kIters = 100000000;
@@ -28,6 +29,36 @@ void report(const char* name, double s, int macs_per_instruction, double sink) {
   std::printf("%-44s %6.2f G instr/s  %6.0f G op/s  (%g)\n", name, per_second / 1e9,
               per_second * macs_per_instruction * 2 / 1e9, sink);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// An integer multiply-add step as a kernel uses it: two rows' broadcast operands (y0, y1) against two weight vectors
+// (v0, v1), four accumulators, every product distinct. All in named locals, so that they stay in AVX2's 16
+// registers (twelve chains in arrays captured by reference went to memory, and the loop measured the stores: the
+// 110 G op/s of bench/PERF.md's first study). Returns the seconds of kIters * kChains steps and a sum of the
+// accumulators' first lanes (so nothing is dead).
+template <class Step>
+std::pair<double, long> two_by_two(__m256i y0, __m256i y1, __m256i v0, __m256i v1, Step step) {
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
+  const double t = seconds([&] {
+    __m256i b00 = a00, b01 = a01, b10 = a10, b11 = a11;
+    for (long n = 0; n < kIters * kChains / 4; ++n) {
+      b00 = step(b00, y0, v0);
+      b01 = step(b01, y0, v1);
+      b10 = step(b10, y1, v0);
+      b11 = step(b11, y1, v1);
+      __asm__ volatile("" : "+x"(y0), "+x"(y1), "+x"(v0), "+x"(v1));
+    }
+    a00 = b00, a01 = b01, a10 = b10, a11 = b11;
+  });
+  alignas(32) int lanes[8];
+  long sink = 0;
+  for (const __m256i& acc : {a00, a01, a10, a11}) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    sink += lanes[0];
+  }
+  return {t, sink};
+}
+#endif
 }  // namespace
 
 int main() {
@@ -65,53 +96,18 @@ int main() {
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   {
-    // Two rows' broadcast u8 quads against two weight vectors, four accumulators in named locals (AVX2 has 16 ymm
-    // registers; twelve chains in arrays went to memory, and the loop measured the stores: 110 G op/s).
-    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
-    __m256i u0 = _mm256_set1_epi8(1), u1 = _mm256_set1_epi8(2), s0 = _mm256_set1_epi8(3), s1 = _mm256_set1_epi8(4);
     const __m256i ones = _mm256_set1_epi16(1);
-    const double t = seconds([&] {
-      __m256i b00 = a00, b01 = a01, b10 = a10, b11 = a11, y0 = u0, y1 = u1, v0 = s0, v1 = s1;
-      for (long n = 0; n < kIters * kChains / 4; ++n) {
-        b00 = _mm256_add_epi32(b00, _mm256_madd_epi16(_mm256_maddubs_epi16(y0, v0), ones));
-        b01 = _mm256_add_epi32(b01, _mm256_madd_epi16(_mm256_maddubs_epi16(y0, v1), ones));
-        b10 = _mm256_add_epi32(b10, _mm256_madd_epi16(_mm256_maddubs_epi16(y1, v0), ones));
-        b11 = _mm256_add_epi32(b11, _mm256_madd_epi16(_mm256_maddubs_epi16(y1, v1), ones));
-        __asm__ volatile("" : "+x"(y0), "+x"(y1), "+x"(v0), "+x"(v1));
-      }
-      a00 = b00, a01 = b01, a10 = b10, a11 = b11;
+    const auto [t, sink] = two_by_two(_mm256_set1_epi8(1), _mm256_set1_epi8(2), _mm256_set1_epi8(3),
+                                      _mm256_set1_epi8(4), [ones](__m256i acc, __m256i u, __m256i s) {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
     });
-    alignas(32) int lanes[8];
-    long sink = 0;
-    for (const __m256i& acc : {a00, a01, a10, a11}) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
-      sink += lanes[0];
-    }
     report("avx2 vpmaddubsw+vpmaddwd+vpaddd (32 a ymm)", t, 32, static_cast<double>(sink));
   }
   {
-    // As a kernel uses it: two rows' broadcast pairs against two weight vectors, four accumulators (AVX2 has 16 ymm
-    // registers and each product needs one more), every product distinct, in named locals so that they stay in
-    // registers (arrays captured by reference went to memory, and the loop measured the stores).
-    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
-    __m256i x0 = _mm256_set1_epi16(1), x1 = _mm256_set1_epi16(2), w0 = _mm256_set1_epi16(3), w1 = _mm256_set1_epi16(4);
-    const double t = seconds([&] {
-      __m256i b00 = a00, b01 = a01, b10 = a10, b11 = a11, y0 = x0, y1 = x1, v0 = w0, v1 = w1;
-      for (long n = 0; n < kIters * kChains / 4; ++n) {
-        b00 = _mm256_add_epi32(b00, _mm256_madd_epi16(y0, v0));
-        b01 = _mm256_add_epi32(b01, _mm256_madd_epi16(y0, v1));
-        b10 = _mm256_add_epi32(b10, _mm256_madd_epi16(y1, v0));
-        b11 = _mm256_add_epi32(b11, _mm256_madd_epi16(y1, v1));
-        __asm__ volatile("" : "+x"(y0), "+x"(y1), "+x"(v0), "+x"(v1));
-      }
-      a00 = b00, a01 = b01, a10 = b10, a11 = b11;
+    const auto [t, sink] = two_by_two(_mm256_set1_epi16(1), _mm256_set1_epi16(2), _mm256_set1_epi16(3),
+                                      _mm256_set1_epi16(4), [](__m256i acc, __m256i x, __m256i w) {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
     });
-    alignas(32) int lanes[8];
-    long sink = 0;
-    for (const __m256i& a : {a00, a01, a10, a11}) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
-      sink += lanes[0];
-    }
     report("avx2 vpmaddwd+vpaddd (i16 pairs, 16 a ymm)", t, 16, static_cast<double>(sink));
   }
   {

@@ -476,7 +476,11 @@ std::vector<std::pair<int64_t, int64_t>> find_runs(const int64_t* slots, const i
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t b = 0; b < B;) {
     int64_t e = b + 1;
-    while (e < B && ctx_lens[e] >= ctx_lens[e - 1] &&
+    // the last slot first: another sequence's newest token sits in a block of its own, so rows of different
+    // sequences part there at once, even where a prefix cache gives them the same first blocks (this runs for
+    // every layer of every decode step)
+    while (e < B && ctx_lens[e] >= ctx_lens[e - 1] && ctx_lens[e - 1] > 0 &&
+           slots[e * max_ctx + ctx_lens[e - 1] - 1] == slots[(e - 1) * max_ctx + ctx_lens[e - 1] - 1] &&
            std::memcmp(slots + e * max_ctx, slots + (e - 1) * max_ctx, ctx_lens[e - 1] * sizeof(int64_t)) == 0)
       ++e;
     runs.emplace_back(b, e - b);
