@@ -178,3 +178,37 @@ def test_sigkill_of_one_rank_fails_fast_and_all_ranks_restart(tiny8: Path) -> No
         again = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                            timeout=CLIENT_TIMEOUT)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_load_whose_rank_dies_leaves_no_world_behind(tiny8: Path) -> None:
+    """Rank 1 is killed after the world formed, while the ranks load their slices: the load fails naming the rank,
+    this process leaves the world (it used to stay in it, and every later load here failed with "trying to
+    initialize the default process group twice"), and a load after it serves the one-rank tokens."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from mindie_host.distributed.ranks import RankFailedError
+
+    cfg = _config(tiny8, 2)
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            loaded_host(cfg).shutdown()
+        except BaseException as exc:  # the failure this test causes
+            failure.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    wait_for(lambda: dist.is_initialized() or not loader.is_alive(), 120, "the world to form")
+    rank1 = [p for p in multiprocessing.active_children() if p.name == "mindie-rank-1"]
+    assert rank1, "rank 1 was not a child of this process"
+    os.kill(rank1[0].pid, signal.SIGKILL)
+    loader.join(120)
+    assert not loader.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], RankFailedError), failure
+    assert "rank 1 exited" in str(failure[0]) and "SIGKILL" in str(failure[0]), failure[0]
+    assert not dist.is_initialized()
+    prompts = _prompts()[:2]
+    assert _greedy(_config(tiny8, 2), prompts, 6) == _greedy(_config(tiny8, 1), prompts, 6)

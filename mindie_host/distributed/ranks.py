@@ -144,6 +144,7 @@ class ParallelBackend(ModelBackend):
             self._while_ranks_live(lambda: self._barrier(), "loading their slices")
         except BaseException:
             self._stop_workers()
+            self._leave_world()  # a process that failed to load may load again (a test, a restart in process)
             raise
         threading.Thread(target=self._watch, name="mindie-rank-watcher", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="mindie-rank-heartbeat", daemon=True).start()
@@ -166,15 +167,27 @@ class ParallelBackend(ModelBackend):
             except BaseException as exc:
                 result["error"] = exc
 
+        def dead_rank() -> RankFailedError | None:
+            dead = [(r, p) for r, p in zip(self.ranks, self.workers) if p.exitcode is not None]
+            if not dead:
+                return None
+            r, p = dead[0]
+            return RankFailedError(f"rank {r} exited ({describe_exit(p.exitcode)}) while the ranks were {doing}")
+
         thread = threading.Thread(target=run, name="mindie-rank-rendezvous", daemon=True)
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            dead = [(r, p) for r, p in zip(self.ranks, self.workers) if p.exitcode is not None]
-            if dead and thread.is_alive():
-                r, p = dead[0]
-                raise RankFailedError(f"rank {r} exited ({describe_exit(p.exitcode)}) while the ranks were {doing}")
+            lost = dead_rank()
+            if lost is not None and thread.is_alive():
+                raise lost
         if "error" in result:
+            # a collective fails as soon as a peer's connection closes, before that peer's exit is seen: say which
+            for _ in range(20):
+                lost = dead_rank()
+                if lost is not None:
+                    raise lost from result["error"]
+                time.sleep(0.05)
             raise result["error"]
         return result.get("value")
 
@@ -298,10 +311,18 @@ class ParallelBackend(ModelBackend):
                 log.info("tensor parallel: could not tell the ranks to stop (%s)", exc)
         self._stop_workers()
         self.inner.shutdown()
+        self._leave_world()
+
+    @staticmethod
+    def _leave_world() -> None:
+        """Destroy this process's default group (and with it the control group), if it joined one."""
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a half-formed world: nothing more to release
+                log.info("tensor parallel: could not destroy the process group (%s)", exc)
 
     def _stop_workers(self) -> None:
         self._closing = True
