@@ -18,6 +18,7 @@ loader makes them (float16 scales for Q4_0 and Q8_0). Run under ``nice -n 19`` w
 
     python bench/lowbit_shapes.py                               # 1B shapes, rows 1..5, 1 and 2 threads
     python bench/lowbit_shapes.py --rows 1 --threads 2 --compare /tmp/before.so
+    python bench/lowbit_shapes.py --rows 1 --threads 1 --compare /tmp/before.so --same-tiles   # both take float16
     MINDIE_HOST_CPU_ISA=avx2 python bench/lowbit_shapes.py --rows 1,2
 """
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", help="other builds' kernel libraries (comma-separated), alternated call by call with this build's")
     ap.add_argument("--stored-offsets", action="store_true",
                     help="give the other builds every group's offset (builds before derived offsets)")
+    ap.add_argument("--same-tiles", action="store_true",
+                    help="give the other builds the tiles this build gets (builds that take float16 scales)")
     args = ap.parse_args(argv)
     if cpu_matmul.kernel() is None:
         raise SystemExit("the kernels could not be built here (no compiler)")
@@ -91,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         for form in forms:
             tiles = make_tiles(form, n, k, g)
             stored = copy.copy(tiles)  # the tiles other builds are given
-            stored.scale = tiles.scale.float()  # what builds before float16 scales take
-            stored.offset = tiles.full_offset() if args.stored_offsets else tiles.offset.float()
+            if not args.same_tiles:
+                stored.scale = tiles.scale.float()  # what builds before float16 scales take
+                stored.offset = tiles.full_offset() if args.stored_offsets else tiles.offset.float()
             nbytes = {side: streamed_bytes(tiles if side == "this" else stored) for side in sides}
             gguf = n * k * GGUF_BYTES_PER_WEIGHT[form]
             for threads in (int(t) for t in args.threads.split(",")):
