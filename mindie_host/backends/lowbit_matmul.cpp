@@ -316,24 +316,13 @@ inline __m256 offset8(const Sc* scale, const Sc* offset, int64_t at, __m256 sv) 
 }
 
 // MR (1 or 2) rows times TN tiles, dequantizing in registers: acc = fma(x[k], w[k], acc) over k in order.
-// A group's scales and offsets are widened to float32 (and Q4_0's derived offsets computed) once for its pairs, into
-// ``sg``/``og``, which the pairs then read as plain loads: done again for every pair, the widening and the offsets'
-// multiplies were a quarter of the vector instructions of a one-row product (the same values, so the same bits).
 template <bool INT4, int MR, int TN, typename Sc>
 inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const Sc* scale,
                               const Sc* offset, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
   __m256 acc[MR][TN * 4];
-  alignas(32) float sg[TN * kTile], og[TN * kTile];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < TN * 4; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < TN; ++t)
-      for (int c8 = 0; c8 < 4; ++c8) {
-        const int64_t at = t * G * kTile + g * kTile + c8 * 8;
-        const __m256 sv = scales8(scale + at);
-        _mm256_store_ps(sg + t * kTile + c8 * 8, sv);
-        _mm256_store_ps(og + t * kTile + c8 * 8, offset8<INT4>(scale, offset, at, sv));
-      }
     for (int64_t p = g * PG; p < (g + 1) * PG; ++p) {
       __m256 x0[MR], x1[MR];
       for (int r = 0; r < MR; ++r) {
@@ -342,9 +331,10 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
       }
       for (int t = 0; t < TN; ++t)
         for (int c8 = 0; c8 < 4; ++c8) {
+          const int64_t at = t * G * kTile + g * kTile + c8 * 8;
           __m256 lo, hi;
-          dequant8<INT4>(tiles + t * tile_bytes, p, c8, _mm256_load_ps(sg + t * kTile + c8 * 8),
-                         _mm256_load_ps(og + t * kTile + c8 * 8), lo, hi);
+          const __m256 sv = scales8(scale + at);
+          dequant8<INT4>(tiles + t * tile_bytes, p, c8, sv, offset8<INT4>(scale, offset, at, sv), lo, hi);
           for (int r = 0; r < MR; ++r) {
             acc[r][t * 4 + c8] = _mm256_fmadd_ps(x0[r], lo, acc[r][t * 4 + c8]);
             acc[r][t * 4 + c8] = _mm256_fmadd_ps(x1[r], hi, acc[r][t * 4 + c8]);
@@ -460,33 +450,6 @@ inline void rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, i
 template <bool INT4, typename Sc>
 MH_ALWAYS_INLINE void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1, const Sc* scale, const Sc* offset,
                           int64_t PG, float* buf, bool prefetch) {
-#if defined(MH_AVX2)
-  // a group's pairs at a time, its scales and offsets widened (and derived) once for them all, kept in registers
-  for (int64_t q0 = p0; q0 < p1;) {
-    const int64_t g = q0 / PG, q1 = std::min<int64_t>(p1, (g + 1) * PG);
-    const Sc* s = scale + g * kTile;
-    const Sc* o = offset + g * kTile;
-    __m256 sv[4], ov[4];
-    for (int c8 = 0; c8 < 4; ++c8) {
-      sv[c8] = scales8(s + c8 * 8);
-      ov[c8] = offset8<INT4>(s, o, c8 * 8, sv[c8]);
-    }
-    for (int64_t p = q0; p < q1; ++p) {
-      float* lo = buf + (2 * (p - p0)) * kTile;
-      float* hi = lo + kTile;
-      // a cache line of codes (a pair of 8-bit ones, two pairs of 4-bit ones) kPrefetchPairs ahead
-      if (prefetch && (!INT4 || p % 2 == 0))
-        __builtin_prefetch(tile + (p + kPrefetchPairs) * (INT4 ? kTile : 2 * kTile));
-      for (int c8 = 0; c8 < 4; ++c8) {
-        __m256 a, b;
-        dequant8<INT4>(tile, p, c8, sv[c8], ov[c8], a, b);
-        _mm256_storeu_ps(lo + c8 * 8, a);
-        _mm256_storeu_ps(hi + c8 * 8, b);
-      }
-    }
-    q0 = q1;
-  }
-#else
   int64_t g = p0 / PG, g_end = (g + 1) * PG;  // the group of pair p, stepped (no division a pair)
   for (int64_t p = p0; p < p1; ++p) {
     if (p == g_end) {
@@ -500,7 +463,15 @@ MH_ALWAYS_INLINE void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1,
     // a cache line of codes (a pair of 8-bit ones, two pairs of 4-bit ones) kPrefetchPairs ahead
     if (prefetch && (!INT4 || p % 2 == 0))
       __builtin_prefetch(tile + (p + kPrefetchPairs) * (INT4 ? kTile : 2 * kTile));
-#if defined(MH_NEON)
+#if defined(MH_AVX2)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      __m256 a, b;
+      const __m256 sv = scales8(s + c8 * 8);
+      dequant8<INT4>(tile, p, c8, sv, offset8<INT4>(s, o, c8 * 8, sv), a, b);
+      _mm256_storeu_ps(lo + c8 * 8, a);
+      _mm256_storeu_ps(hi + c8 * 8, b);
+    }
+#elif defined(MH_NEON)
     for (int c8 = 0; c8 < 4; ++c8) {
       float32x4_t a[2], b[2];
       dequant8<INT4>(tile, p, c8, s + c8 * 8, o + c8 * 8, a, b);
@@ -528,7 +499,6 @@ MH_ALWAYS_INLINE void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1,
     }
 #endif
   }
-#endif  // MH_AVX2
 }
 
 // acc[r][0 .. COLS) (ldc apart, at c) += x[r][k] * w[k][0 .. COLS) over the block's k in order, for MR rows (ldx
