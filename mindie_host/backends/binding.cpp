@@ -15,11 +15,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <set>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "kernels.h"
 
@@ -304,11 +306,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows)
       .def("quantize_rows", &Kernels::quantize_rows);
   m.def("threads_used", [](int64_t n) {
+        // chunks are handed out on demand, so a chunk waits (up to 5 s) until every thread has taken one: a loop
+        // this short would otherwise be done by the first thread before the others woke up
         std::pair<std::mutex, std::set<int>> seen;
         parallel_for(0, n, 1, [](void* ctx, int64_t, int64_t) {
           auto* s = static_cast<std::pair<std::mutex, std::set<int>>*>(ctx);
-          std::lock_guard<std::mutex> hold(s->first);
-          s->second.insert(at::get_thread_num());
+          {
+            std::lock_guard<std::mutex> hold(s->first);
+            s->second.insert(at::get_thread_num());
+          }
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (std::chrono::steady_clock::now() < until) {
+            {
+              std::lock_guard<std::mutex> hold(s->first);
+              if (static_cast<int64_t>(s->second.size()) >= at::get_num_threads()) return;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
         }, &seen);
         return static_cast<int64_t>(seen.second.size());
       }, "How many of torch's threads the kernels' parallel loops run ``n`` one-item chunks on (a check that the "
