@@ -27,18 +27,20 @@
 
 namespace {
 
-// The kernels' parallel loops: chunks of about a quarter of a thread's share, handed out as the threads ask for them
-// (one atomic counter), instead of one equal share each cut up front. The server's other processes share the cores
-// with the engine's threads: a thread the OS took away for a moment left the other spinning at the loop's end (a
-// quarter of the engine's time in libgomp at c=16 on two cores). Every kernel computes each element of its output
-// the same way whatever range it is given, so the results do not depend on the chunks.
+// The kernels' parallel loops: chunks of about a sixteenth of a thread's share, handed out as the threads ask for
+// them (one atomic counter), instead of one equal share each cut up front. The server's other processes share the
+// cores with the engine's threads: a thread the OS took away for a moment left the other spinning at the loop's end
+// (a quarter of the engine's time in libgomp at c=16 on two cores). Small chunks keep the wait at the end short
+// (a quarter of a share still left a sixth of an 18-tile product to one thread; bench/PERF.md). Every kernel
+// computes each element of its output the same way whatever range it is given, so the results do not depend on the
+// chunks.
 void parallel_for(int64_t begin, int64_t end, int64_t grain, mh_body body, void* ctx) {
   const int64_t n = end - begin, threads = at::get_num_threads();
   if (threads <= 1 || n <= grain || at::in_parallel_region()) {
     body(ctx, begin, end);
     return;
   }
-  const int64_t chunk = std::max<int64_t>(grain, (n + 4 * threads - 1) / (4 * threads));
+  const int64_t chunk = std::max<int64_t>(grain, (n + 16 * threads - 1) / (16 * threads));
   std::atomic<int64_t> next{begin};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t b = next.fetch_add(chunk); b < end; b = next.fetch_add(chunk)) body(ctx, b, std::min(end, b + chunk));
