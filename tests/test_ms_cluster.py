@@ -458,14 +458,41 @@ def test_sigkill_one_server_under_load(cluster):
     assert seen == {0, 1}
 
 
+def _process_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            pass
+    return found
+
+
+def test_each_server_gets_its_share_of_the_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert Cluster(tmp_path / "a", 3).server_threads() == max(1, cores // 3)
+    assert Cluster(tmp_path / "b", 1).server_threads() == cores
+    assert Cluster(tmp_path / "c", 2, env={"OMP_NUM_THREADS": "5"}).server_threads() is None  # the operator's own
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the server's environment from /proc")
 def test_cluster_command_starts_everything_and_ctrl_c_stops_it(tmp_path):
     model = make_tiny_llama(tmp_path / "tiny-llama")
     cfg_path = tmp_path / "server.json"
     cfg_path.write_text(json.dumps(server_config(model, schedule=SCHEDULE, deploy=DEPLOY)))
     port = free_port()
+    # without OMP_NUM_THREADS of its own (the suite's workers set one), the command gives its server every core
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.Popen([sys.executable, "-m", "mindie_host.cli", "cluster", "--servers", "1", "--server-config",
                              str(cfg_path), "--port", str(port), "--workdir", str(tmp_path / "work")],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
         lines = []
@@ -480,6 +507,10 @@ def test_cluster_command_starts_everything_and_ctrl_c_stops_it(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
                        timeout=60)
         assert r.status_code == 200
+        servers = [pid for pid in _children(proc.pid) if b" serve " in Path(f"/proc/{pid}/cmdline").read_bytes()
+                   .replace(b"\0", b" ")]
+        assert len(servers) == 1, servers
+        assert _process_env(servers[0]).get("OMP_NUM_THREADS") == str(len(os.sched_getaffinity(0)))
         ports = [port]
         for name in ("server-0.json", "ms_controller.json", "ms_coordinator.json"):
             data = json.loads((tmp_path / "work" / name).read_text())
