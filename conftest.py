@@ -47,8 +47,9 @@ def _share_the_cores_among_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // workers)
+    from mindie_host.distributed.cores import core_share  # torch-free: torch must not load before the variable
+
+    threads = core_share(workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch = sys.modules.get("torch")  # imported already (a pytest plugin did): its pool is sized, resize it
     if torch is not None:

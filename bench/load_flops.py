@@ -32,29 +32,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cpu_profiles import PROFILES, run_as  # noqa: E402
 
-#: requests per run of bench/peers.py at each concurrency (its N_FOR_CONC)
-REQUESTS = {1: 8, 16: 64, 64: 128}
-
 
 def model_shape() -> dict[str, int]:
-    """The default model's dimensions, read from its GGUF header."""
-    import gguf
-
+    """The default model's dimensions, from its GGUF header as the loader reads it."""
     from mindie_host.models.default import default_model_path
+    from mindie_host.models.gguf_files import base_config, read_info
 
-    reader = gguf.GGUFReader(str(default_model_path()))
-    arch = "llama"
-
-    def value(key: str) -> int:
-        field = reader.fields[f"{arch}.{key}"]
-        return int(field.parts[field.data[0]][0])
-
-    hidden, layers = value("embedding_length"), value("block_count")
-    heads, kv_heads, ffn = value("attention.head_count"), value("attention.head_count_kv"), value("feed_forward_length")
-    head_dim = hidden // heads
-    vocab = next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")
-    return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "ffn": ffn, "vocab": int(vocab)}
+    cfg = base_config(read_info(default_model_path()), "llama")
+    return {"hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"], "heads": cfg["num_attention_heads"],
+            "kv_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"], "ffn": cfg["intermediate_size"],
+            "vocab": cfg["vocab_size"]}
 
 
 def layer_weights(s: dict[str, int]) -> int:
@@ -125,7 +112,7 @@ def main() -> int:
     data = json.loads(Path(args.results).read_text())["results"]
     rows: list[dict[str, Any]] = []
     for conc, run in sorted(data[args.system].items(), key=lambda kv: int(kv[0])):
-        n = run.get("n") or REQUESTS[int(conc)]
+        n = run["n"]
         runs = run["runs"] if isinstance(run.get("runs"), int) else len(run.get("runs") or [None])
         # the median run's seed: the one whose prompts have the run's mean length in words
         seed = min(range(runs), key=lambda sd: abs(passage_words(make_prompts(n, sd)) - run["prompt_words"]["mean"]))

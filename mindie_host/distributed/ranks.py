@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import LinearDeltas, ModelBackend, ModelInfo, ModelInput
 from ..logs import describe_exit
+from .cores import core_share
 from .tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -59,8 +60,7 @@ class RankFailedError(RuntimeError):
 
 def rank_threads(world_size: int) -> int:
     """Compute threads per rank: the cores this process may use, shared evenly among the ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world_size)
+    return core_share(world_size)
 
 
 def local_address() -> str:

@@ -29,6 +29,7 @@ from typing import IO, Any
 import httpx
 
 from ..config import default_config_dict
+from ..distributed.cores import core_share
 from ..file_modes import write_file
 from ..testing import free_port
 from .controller.config import default_controller_dict
@@ -155,10 +156,7 @@ class Cluster:
         Every server's engine would otherwise take a thread per core, and on a machine with fewer cores than that
         their OpenMP threads spin against each other at every parallel region's end: the test suite's cluster ran
         its requests 5-11x slower that way on 2 cores."""
-        if "OMP_NUM_THREADS" in self.env:
-            return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // max(1, len(self.servers) or self.count))
+        return None if "OMP_NUM_THREADS" in self.env else core_share(len(self.servers) or self.count)
 
     def start_server(self, k: int) -> None:
         """Start (or restart) server ``k``, with its share of the cores (:meth:`server_threads`)."""
