@@ -350,26 +350,28 @@ inline void score_heads8(const float* qs, const T* k, const int64_t* idx, int64_
   }
 }
 
-// Adds tokens t0 .. t1's V rows (dims c0 * 8 .. c0 * 8 + 31) of KV head h, weighted by NG (1 or 2) heads' softmax
-// numerators, to their accumulators (D apart at acc): each V chunk is read and converted once for both heads.
-template <typename T, int ND, int NG>
+// Adds tokens t0 .. t1's V rows (dims c0 * 8 .. c0 * 8 + 8 * CW - 1) of KV head h, weighted by NG (1 to 3) heads'
+// softmax numerators, to their accumulators (D apart at acc): each V chunk is read and converted once for all of
+// them. CW vectors a pass: 4 for one or two heads, 2 for three (3 x 2 accumulators, 2 values and the weight fit the
+// 16 registers), so a KV head's V rows are read once for its three query heads.
+template <typename T, int ND, int NG, int CW = (NG == 3 ? 2 : 4)>
 inline void value_heads8(const float* sg, int64_t padded, const T* v, const int64_t* idx, int64_t t0, int64_t t1,
                          int64_t KV, int64_t h, int c0, float* acc) {
   constexpr int64_t D = 8 * ND;
-  __m256 o[NG][4];
+  __m256 o[NG][CW];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < 4; ++c) o[g][c] = _mm256_loadu_ps(acc + g * D + (c0 + c) * 8);
+    for (int c = 0; c < CW; ++c) o[g][c] = _mm256_loadu_ps(acc + g * D + (c0 + c) * 8);
   for (int64_t t = t0; t < t1; ++t) {
     const T* vr = v + (idx[t] * KV + h) * D + c0 * 8;
-    __m256 vv[4];
-    for (int c = 0; c < 4; ++c) vv[c] = load8(vr + c * 8);
+    __m256 vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = load8(vr + c * 8);
     for (int g = 0; g < NG; ++g) {
       const __m256 w = _mm256_set1_ps(sg[g * padded + t]);
-      for (int c = 0; c < 4; ++c) o[g][c] = _mm256_fmadd_ps(w, vv[c], o[g][c]);
+      for (int c = 0; c < CW; ++c) o[g][c] = _mm256_fmadd_ps(w, vv[c], o[g][c]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + (c0 + c) * 8, o[g][c]);
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + g * D + (c0 + c) * 8, o[g][c]);
 }
 
 // One task with head dim 8 * ND, as task_vec of the AVX-512 path: query heads g0 .. g0 + GN of KV heads h0 .. h1 of
@@ -393,6 +395,7 @@ void task_vec(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t 
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(k, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     prefetch_rows<T, _MM_HINT_T1>(v, idx, t0, t1, KV, h0, h1, D * sizeof(T));
+    prefetch_rows<T, _MM_HINT_T1>(k, idx, std::min(ctx, t1 + CH), std::min(ctx, t1 + 2 * CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t js = 0; js < per_h; js += 3) {
         const int64_t j = (h - h0) * per_h + js;
@@ -420,24 +423,31 @@ void task_vec(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t 
     inv[j] = 1.f / mh::reduce_add(total);
   }
   std::memset(acc, 0, heads * D * sizeof(float));
+  prefetch_rows(v, idx, 0, std::min(ctx, CH), KV, h0, h1, D * sizeof(T));
   for (int64_t t0 = 0; t0 < ctx; t0 += CH) {
     const int64_t t1 = std::min(ctx, t0 + CH);
     prefetch_rows(v, idx, t1, std::min(ctx, t1 + CH), KV, h0, h1, D * sizeof(T));
     for (int64_t h = h0; h < h1; ++h)
-      for (int64_t js = 0; js < per_h; js += 2) {
-        const int64_t j = (h - h0) * per_h + js, ng = std::min<int64_t>(2, per_h - js);
-        const int64_t shortest = std::min(rows.ctx[row_of(j)], rows.ctx[row_of(j + ng - 1)]);
-        for (int c0 = 0; c0 < ND; c0 += 4) {
-          if (shortest < t1) {  // a row of the pair ends in this chunk: each head on its own, up to its context
-            for (int64_t i = 0; i < ng; ++i) {
-              const int64_t end = std::min(t1, rows.ctx[row_of(j + i)]);
-              if (end > t0)
+      for (int64_t js = 0; js < per_h; js += 3) {
+        const int64_t j = (h - h0) * per_h + js, ng = std::min<int64_t>(3, per_h - js);
+        int64_t shortest = ctx;
+        for (int64_t i = 0; i < ng; ++i) shortest = std::min(shortest, rows.ctx[row_of(j + i)]);
+        if (shortest < t1) {  // a row of the group ends in this chunk: each head on its own, up to its context
+          for (int64_t i = 0; i < ng; ++i) {
+            const int64_t end = std::min(t1, rows.ctx[row_of(j + i)]);
+            if (end > t0)
+              for (int c0 = 0; c0 < ND; c0 += 4)
                 value_heads8<T, ND, 1>(scores + (j + i) * padded, padded, v, idx, t0, end, KV, h, c0, acc + (j + i) * D);
-            }
-          } else if (ng == 2) {
-            value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
-          } else {
-            value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+          }
+        } else if (ng == 3) {
+          for (int c0 = 0; c0 < ND; c0 += 2)
+            value_heads8<T, ND, 3>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+        } else {
+          for (int c0 = 0; c0 < ND; c0 += 4) {
+            if (ng == 2)
+              value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
+            else
+              value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
           }
         }
       }
