@@ -350,28 +350,31 @@ inline void score_heads8(const float* qs, const T* k, const int64_t* idx, int64_
   }
 }
 
-// Adds tokens t0 .. t1's V rows (dims c0 * 8 .. c0 * 8 + 8 * CW - 1) of KV head h, weighted by NG (1 to 3) heads'
-// softmax numerators, to their accumulators (D apart at acc): each V chunk is read and converted once for all of
-// them. CW vectors a pass: 4 for one or two heads, 2 for three (3 x 2 accumulators, 2 values and the weight fit the
-// 16 registers), so a KV head's V rows are read once for its three query heads.
-template <typename T, int ND, int NG, int CW = (NG == 3 ? 2 : 4)>
+// Adds tokens t0 .. t1's V rows of KV head h, weighted by NG (1 to 3) heads' softmax numerators, to their
+// accumulators (D apart at acc): each V chunk is read and converted once for all of them, CW vectors of dims a pass
+// (4 for one or two heads; 2 for three, so that 3 x 2 accumulators, 2 values and the weight fit the 16 registers):
+// a KV head's V rows are read once for its three query heads.
+template <typename T, int ND, int NG>
 inline void value_heads8(const float* sg, int64_t padded, const T* v, const int64_t* idx, int64_t t0, int64_t t1,
-                         int64_t KV, int64_t h, int c0, float* acc) {
+                         int64_t KV, int64_t h, float* acc) {
   constexpr int64_t D = 8 * ND;
-  __m256 o[NG][CW];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CW; ++c) o[g][c] = _mm256_loadu_ps(acc + g * D + (c0 + c) * 8);
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* vr = v + (idx[t] * KV + h) * D + c0 * 8;
-    __m256 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = load8(vr + c * 8);
-    for (int g = 0; g < NG; ++g) {
-      const __m256 w = _mm256_set1_ps(sg[g * padded + t]);
-      for (int c = 0; c < CW; ++c) o[g][c] = _mm256_fmadd_ps(w, vv[c], o[g][c]);
+  constexpr int CW = NG == 3 ? 2 : 4;
+  for (int c0 = 0; c0 < ND; c0 += CW) {
+    __m256 o[NG][CW];
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < CW; ++c) o[g][c] = _mm256_loadu_ps(acc + g * D + (c0 + c) * 8);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* vr = v + (idx[t] * KV + h) * D + c0 * 8;
+      __m256 vv[CW];
+      for (int c = 0; c < CW; ++c) vv[c] = load8(vr + c * 8);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_set1_ps(sg[g * padded + t]);
+        for (int c = 0; c < CW; ++c) o[g][c] = _mm256_fmadd_ps(w, vv[c], o[g][c]);
+      }
     }
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + g * D + (c0 + c) * 8, o[g][c]);
   }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + g * D + (c0 + c) * 8, o[g][c]);
 }
 
 // One task with head dim 8 * ND, as task_vec of the AVX-512 path: query heads g0 .. g0 + GN of KV heads h0 .. h1 of
@@ -436,19 +439,14 @@ void task_vec(const TaskRows& rows, const T* k, const T* v, int64_t KV, int64_t 
           for (int64_t i = 0; i < ng; ++i) {
             const int64_t end = std::min(t1, rows.ctx[row_of(j + i)]);
             if (end > t0)
-              for (int c0 = 0; c0 < ND; c0 += 4)
-                value_heads8<T, ND, 1>(scores + (j + i) * padded, padded, v, idx, t0, end, KV, h, c0, acc + (j + i) * D);
+              value_heads8<T, ND, 1>(scores + (j + i) * padded, padded, v, idx, t0, end, KV, h, acc + (j + i) * D);
           }
-        } else if (ng == 3) {
-          for (int c0 = 0; c0 < ND; c0 += 2)
-            value_heads8<T, ND, 3>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
-        } else {
-          for (int c0 = 0; c0 < ND; c0 += 4) {
-            if (ng == 2)
-              value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
-            else
-              value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, c0, acc + j * D);
-          }
+          continue;
+        }
+        switch (ng) {
+          case 3: value_heads8<T, ND, 3>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+          case 2: value_heads8<T, ND, 2>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
+          default: value_heads8<T, ND, 1>(scores + j * padded, padded, v, idx, t0, t1, KV, h, acc + j * D); break;
         }
       }
   }
