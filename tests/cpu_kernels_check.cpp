@@ -206,6 +206,41 @@ void check_lowbit(const mh_kernels* k, bool int4) {
     }
   std::printf("bits lowbit_matmul %s %016llx\n", int4 ? "4-bit" : "8-bit",
               (unsigned long long)digest(two.data(), 2 * N, digest(one.data(), N, digest(out.data(), M * N))));
+  if (!int4) return;
+  // Q4_0 (offsets derived): generated rows (lowbit_matmul, each group's scale applied once to its sum) and prompt rows
+  // (lowbit_matmul_prompt, each weight dequantized), on activations in thousandths, whose products round: there the
+  // order of the arithmetic shows in the bits, which the neon variant must share with avx2 (the inputs above are
+  // exact in float32, so any order gives their bits)
+  std::vector<float> xi(M * K);
+  for (auto& v : xi) v = (int(rng() % 2001) - 1000) / 1000.f;
+  std::vector<double> wanti(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t c = 0; c < K; ++c) acc += double(xi[m * K + c]) * w[n * K + c];
+      wanti[m * N + n] = acc;
+    }
+  unsigned long long bits = 0;
+  for (int prompt = 0; prompt < 2; ++prompt) {
+    std::vector<float> all(M * N), alone(N), pair(2 * N);
+    for (auto [rows, dst] : {std::pair<int64_t, float*>{M, all.data()}, {1, alone.data()}, {2, pair.data()}}) {
+      const float* xr = xi.data() + (rows == M ? 0 : 3 * K);
+      if (prompt)
+        k->lowbit_matmul_prompt(xr, rows, K, codes.data(), 1, NT, scale16.data(), nullptr, 1, N, gs, dst);
+      else
+        k->lowbit_matmul_f16(xr, rows, K, codes.data(), 1, NT, scale16.data(), nullptr, N, gs, dst);
+    }
+    report(prompt ? "lowbit_matmul_prompt Q4_0" : "lowbit_matmul Q4_0 (generated rows)", relative(all, wanti), 1e-5);
+    report(prompt ? "lowbit_matmul_prompt Q4_0: one and two rows have their bits among seven"
+                  : "lowbit_matmul Q4_0: one and two rows have their bits among seven",
+           std::memcmp(alone.data(), all.data() + 3 * N, N * sizeof(float)) == 0 &&
+                   std::memcmp(pair.data(), all.data() + 3 * N, 2 * N * sizeof(float)) == 0
+               ? 0.0
+               : 1.0,
+           0.0);
+    bits = digest(all.data(), M * N, digest(alone.data(), N, bits));
+  }
+  std::printf("bits lowbit_matmul Q4_0 generated and prompt rows %016llx\n", bits);
 }
 
 // int8 rows times 4-bit (derived or stored offsets) or int8 codes: the bits of a plain loop of the same float32

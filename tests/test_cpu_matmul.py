@@ -6,12 +6,16 @@ codes are exact in bfloat16), float32 activations on the avx2 and portable ones.
 ``x @ W.T`` for the file's exact values with the activations rounded as the variant rounds them
 (rtol 1e-5: float32 sums in another order), and carry the same bits alone or among other rows,
 whatever the row count (each variant's paths: one or two rows in registers, up to six, more through
-a buffer): batch-invariant decoding relies on it. Shapes cover ragged tiles (100, 17 columns) and
+a buffer): batch-invariant decoding relies on it. On the float32 variants a Q4_0 matrix's generated
+rows apply each group's scale to its sum of x * (code - 8) and its prompt rows dequantize every
+weight: both kinds are checked, each at every row count. Shapes cover ragged tiles (100, 17 columns) and
 blocks of k (576 = 4 x 128 + 64). The model-level checks (the same greedy tokens alone and in a
 batch) are in tests/test_batch_invariance.py.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -40,10 +44,12 @@ def test_four_bit_product_matches_the_files_values_in_float32(cpu_variant: objec
     w = torch.from_numpy(groups.dequantize())
     torch.testing.assert_close(tiles.dequantize(), w, rtol=0, atol=1e-6)  # the packing keeps every value
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(1))
-    got = tiles(x)
-    ref = x.to(cpu_matmul.activation_dtype()).float() @ w.T
-    assert got.dtype == torch.float32 and got.shape == (70, n)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=5e-5)  # float32 sums of products up to ~10
+    for rows in (1, 2, 70):  # in registers, and through the buffer
+        ref = x[:rows].to(cpu_matmul.activation_dtype()).float() @ w.T
+        for product in (tiles, tiles.prompt):  # generated rows, prompt rows
+            got = product(x[:rows])
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=5e-5)  # float32 sums of products up to ~10
 
 
 def test_eight_bit_groups_match_the_codes_times_their_scale(cpu_variant: object) -> None:
@@ -59,10 +65,10 @@ def test_eight_bit_groups_match_the_codes_times_their_scale(cpu_variant: object)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 7, 64, 96])  # 96: x over 512 KB, the buffer's prompt-sized order
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant: object, rows: int, bits: int) -> None:
-    if bits == 4:
-        weight: FourBitWeight | Int8Weight = FourBitWeight(four_bit(576, 1536, seed=3, q4_1=True), None)
+@pytest.mark.parametrize("form", ["q4_0", "q4_1", "q8_0"])
+def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant: object, rows: int, form: str) -> None:
+    if form != "q8_0":  # 100 columns: a ragged last tile
+        weight: FourBitWeight | Int8Weight = FourBitWeight(four_bit(100, 1536, seed=3, q4_1=form == "q4_1"), None)
     else:  # 8-bit groups (Q8_0, e.g. the default model's tied LM head), 300 columns: a ragged last tile
         g = torch.Generator().manual_seed(5)
         codes = torch.randint(-127, 128, (300, 1536), generator=g, dtype=torch.int8)
@@ -74,6 +80,12 @@ def test_a_row_has_the_same_bits_alone_and_among_any_number_of_rows(cpu_variant:
     assert torch.equal(together, alone)
     # and a row's bits do not depend on its place among the others
     assert torch.equal(weight.small_product(x[:rows].flip(0)), together.flip(0))
+    # prompt rows, by their own arithmetic where it differs (Q4_0 on the float32 variants), alike
+    assert weight.tiles is not None
+    prompt = weight.tiles.prompt(x[:rows])
+    assert torch.equal(prompt, torch.cat([weight.tiles.prompt(x[i : i + 1]) for i in range(rows)]))
+    assert torch.equal(weight.tiles.prompt(x[:rows].flip(0)), prompt.flip(0))
+    assert torch.equal(prompt, together) == (not weight.tiles.kinds_differ)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -93,7 +105,11 @@ def test_offsets_derived_from_the_scales_give_the_bits_of_stored_ones(cpu_varian
     torch.testing.assert_close(derived.dequantize(), stored.dequantize(), rtol=0, atol=0)
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(8))
     for rows in (1, 2, 3, 7):
-        assert torch.equal(derived(x[:rows]), stored(x[:rows]))
+        # where a Q4_0 matrix's generated rows have their own arithmetic (kinds_differ), its prompt rows keep the
+        # stored offsets' bits; the generated rows' factored sums are checked against float32 products above
+        derived_rows = derived.prompt if derived.kinds_differ else derived
+        assert torch.equal(derived_rows(x[:rows]), stored(x[:rows]))
+        assert torch.equal(derived.prompt(x[:rows]), stored.prompt(x[:rows]))
 
 
 @pytest.mark.parametrize("form", ["q4_0", "q4_1", "q8_0"])
@@ -122,8 +138,30 @@ def test_float16_scales_give_the_bits_of_float32_ones(cpu_variant: object, form:
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(11))
     for rows in (1, 2, 3, 7, 9):
         assert torch.equal(half(x[:rows]), full(x[:rows]))
+        assert torch.equal(half.prompt(x[:rows]), full.prompt(x[:rows]))
     # scales that float16 does not hold exactly stay float32 (a Q6_K head's d * scale_j)
     assert not LowBitTiles(codes, scale + 2.0**-30, offset, 32).half_scales
+
+
+def test_q4_0_prompt_and_generated_rows_go_by_kind_of_token(cpu_variant: Any) -> None:
+    """A step's Q4_0 products send prompt tokens and generated tokens each through their own arithmetic (on the
+    float32 variants; one arithmetic for both on avx512, where the bfloat16 kernel already scales a group's sum),
+    so a token's bits depend only on its kind, not on what shares its step."""
+    from mindie_host.backends.linear import PromptRows
+
+    weight = FourBitWeight(four_bit(100, 576, seed=12), None)
+    assert weight.tiles is not None
+    assert weight.tiles.kinds_differ == (cpu_variant.variant != "avx512")
+    assert not FourBitWeight(four_bit(100, 576, seed=12, q4_1=True), None).tiles.kinds_differ  # type: ignore[union-attr]
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(13))
+    kinds = torch.tensor([False] * 2 + [True] * 9 + [False])  # two decodes, a 9-token chunk, a decode
+    got = weight(x, None, PromptRows(kinds))
+    generated = [0, 1, 11]
+    assert torch.equal(got[generated], weight.small_product(x[generated]))
+    assert torch.equal(got[2:11], weight.tiles.prompt(x[2:11]))
+    assert torch.equal(weight(x[2:11], None, PromptRows(torch.ones(9, dtype=torch.bool))), got[2:11])
+    if weight.tiles.kinds_differ:  # the two arithmetics really differ (else the routing above proves nothing)
+        assert not torch.equal(weight.tiles.prompt(x), weight.small_product(x))
 
 
 def test_the_kernel_is_a_torch_operator_that_compiles() -> None:

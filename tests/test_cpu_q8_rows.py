@@ -181,6 +181,7 @@ def test_a_library_of_interface_version_2_loads_without_the_int8_rows(cpu_varian
     with cpu_extensions.using(old):  # the reference serves it, and torch quantizes
         assert torch.equal(tiles.q8_rows(r), q8_rows_reference(r, tiles))
         assert_same_rows(quantize_rows_kernel(torch.ones(2, 64)), quantize_rows(torch.ones(2, 64)))
-    table.abi = 4  # a newer library than this binding knows is refused
+    assert not old.has_prompt_rows  # nor lowbit_matmul_prompt (version 4): prompt rows take lowbit_matmul
+    table.abi = 5  # a newer library than this binding knows is refused
     with pytest.raises(RuntimeError, match="another interface version"):
         binding.Kernels(ctypes.addressof(table))

@@ -70,6 +70,9 @@ class Kernels {
   // Whether the library has lowbit_q8_rows and quantize_rows (interface version 3 and later).
   bool has_q8_rows() const { return k_->abi >= 3; }
 
+  // Whether the library has lowbit_matmul_prompt (interface version 4 and later).
+  bool has_prompt_rows() const { return k_->abi >= 4; }
+
   at::Tensor add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight,
                              double eps) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [T, n] float32");
@@ -139,23 +142,14 @@ class Kernels {
 
   at::Tensor lowbit_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor offset,
                               int64_t N, int64_t group_size) const {
-    const auto act = lowbit_takes_bfloat16() ? at::kBFloat16 : at::kFloat;
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == act && x.is_contiguous(), "x: [M, K] ", act, " for the ",
-                k_->variant, " kernels");
-    const int64_t M = x.size(0), K = x.size(1);
-    const Tiles t = check_tiles(codes, scale, offset, K, N, group_size, 2, "shapes",
-                                "scale, offset: [NT, G, 32] (offset may be empty)");
-    auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-    if (M > 0 && t.half)
-      k_->lowbit_matmul_f16(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
-                            static_cast<const uint16_t*>(scale.data_ptr()),
-                            t.derived ? nullptr : static_cast<const uint16_t*>(offset.data_ptr()), N, group_size,
-                            out.data_ptr<float>());
-    else if (M > 0)
-      k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
-                        scale.data_ptr<float>(), t.derived ? nullptr : offset.data_ptr<float>(), N, group_size,
-                        out.data_ptr<float>());
-    return out;
+    return lowbit_rows(x, codes, scale, offset, N, group_size, false);
+  }
+
+  // lowbit_matmul for rows that are prompt tokens (the kernels' own arithmetic for them; a library before interface
+  // version 4 has one arithmetic for both kinds of row)
+  at::Tensor lowbit_matmul_prompt(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor offset,
+                                  int64_t N, int64_t group_size) const {
+    return lowbit_rows(x, codes, scale, offset, N, group_size, has_prompt_rows());
   }
 
   // int8 rows (xq [M, K] int8, xscale [M, K/32] float32, xqsum [M, K/32] int32: cpu_matmul.quantize_rows) times
@@ -259,6 +253,32 @@ class Kernels {
     return k.scalar_type() == at::kBFloat16;
   }
 
+  // lowbit_matmul's checks and call, through lowbit_matmul_prompt for prompt rows
+  at::Tensor lowbit_rows(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor offset, int64_t N,
+                         int64_t group_size, bool prompt) const {
+    const auto act = lowbit_takes_bfloat16() ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == act && x.is_contiguous(), "x: [M, K] ", act, " for the ",
+                k_->variant, " kernels");
+    const int64_t M = x.size(0), K = x.size(1);
+    const Tiles t = check_tiles(codes, scale, offset, K, N, group_size, 2, "shapes",
+                                "scale, offset: [NT, G, 32] (offset may be empty)");
+    auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+    if (M > 0 && prompt)
+      k_->lowbit_matmul_prompt(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
+                               scale.data_ptr(), t.derived ? nullptr : offset.data_ptr(), t.half ? 1 : 0, N,
+                               group_size, out.data_ptr<float>());
+    else if (M > 0 && t.half)
+      k_->lowbit_matmul_f16(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
+                            static_cast<const uint16_t*>(scale.data_ptr()),
+                            t.derived ? nullptr : static_cast<const uint16_t*>(offset.data_ptr()), N, group_size,
+                            out.data_ptr<float>());
+    else if (M > 0)
+      k_->lowbit_matmul(x.data_ptr(), M, K, static_cast<const uint8_t*>(codes.data_ptr()), t.int4 ? 1 : 0, t.NT,
+                        scale.data_ptr<float>(), t.derived ? nullptr : offset.data_ptr<float>(), N, group_size,
+                        out.data_ptr<float>());
+    return out;
+  }
+
   const mh_kernels* k_;
 };
 
@@ -303,6 +323,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("decode_attention", &Kernels::decode_attention)
       .def("prompt_attention", &Kernels::prompt_attention)
       .def("lowbit_matmul", &Kernels::lowbit_matmul)
+      .def_property_readonly("has_prompt_rows", &Kernels::has_prompt_rows)
+      .def("lowbit_matmul_prompt", &Kernels::lowbit_matmul_prompt)
       .def("silu_mul", &Kernels::silu_mul)
       .def_property_readonly("has_q8_rows", &Kernels::has_q8_rows)
       .def("lowbit_q8_rows", &Kernels::lowbit_q8_rows)

@@ -9,9 +9,12 @@ result the same bits at any row count (batch-invariant decoding):
 * avx512 kernels: bfloat16 activations against the exact codes with AVX512-BF16 dot products,
   the file's scales and offsets applied per group in float32; as fast as torch's kernel for one
   row, 2-4x faster at 16 to 64 rows;
-* avx2 and portable kernels (CPUs without native bfloat16): float32 activations against each weight
-  dequantized exactly (``code * scale + offset``) as the codes stream by, in float32 multiply-adds:
-  the reference's values, read at 4 or 8 bits; prompt rows run through it too (no float32 copy).
+* avx2, neon and portable kernels (CPUs without native bfloat16): float32 activations against each
+  weight dequantized exactly (``code * scale + offset``) as the codes stream by, in float32
+  multiply-adds: the reference's values, read at 4 or 8 bits; prompt rows run through it too (no
+  float32 copy). Generated rows of 4-bit codes with derived offsets (GGUF Q4_0) apply each group's
+  scale once to its sum of ``x * (code - 8)`` instead (llama.cpp's factoring), which one sequence's
+  decode on AVX2 is bound by: :meth:`LowBitTiles.prompt` and :attr:`LowBitTiles.kinds_differ`.
 
 It is built with the other kernels (then cached: :mod:`~mindie_host.backends.cpu_extensions`);
 otherwise torch's kernels serve.
@@ -141,6 +144,25 @@ class LowBitTiles:
         mod = cpu_extensions.active("lowbit_matmul")  # one lookup per call: a decode step makes ~200 of them
         x = x.to(torch.bfloat16 if mod.lowbit_takes_bfloat16 else torch.float32).contiguous()
         return mod.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n, self.group_size)
+
+    def prompt(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` as :meth:`__call__`, for rows that are prompt tokens: the kernels' arithmetic for them, which
+        differs from generated rows' only where :attr:`kinds_differ` says so (eager; prompt rows are not compiled)."""
+        mod = cpu_extensions.active("lowbit_matmul")
+        x = x.to(torch.bfloat16 if mod.lowbit_takes_bfloat16 else torch.float32).contiguous()
+        if not getattr(mod, "has_prompt_rows", False):  # a library before lowbit_matmul_prompt: one arithmetic
+            return mod.lowbit_matmul(x, self.codes, self.scale, self.offset, self.n, self.group_size)
+        return mod.lowbit_matmul_prompt(x, self.codes, self.scale, self.offset, self.n, self.group_size)
+
+    @property
+    def kinds_differ(self) -> bool:
+        """Whether the active kernels multiply these tiles' prompt rows and generated rows by different arithmetic:
+        4-bit codes with derived offsets (GGUF Q4_0) on the float32 variants (avx2, neon, portable), whose generated
+        rows apply each group's scale once to its sum of ``x * (code - 8)`` and whose prompt rows dequantize every
+        weight (lowbit_matmul.cpp). Each kind of row gets the same bits at any row count either way."""
+        mod = cpu_extensions.active("lowbit_matmul")
+        return (mod is not None and getattr(mod, "has_prompt_rows", False) and not mod.lowbit_takes_bfloat16
+                and self.codes.dtype == torch.uint8 and not self.stored_offsets)
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codes ``[N, K]`` (uint8 4-bit codes or int8), scales and offsets ``[N, K / group_size]`` back out of

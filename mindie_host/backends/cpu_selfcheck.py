@@ -125,11 +125,17 @@ def _lowbit(k: Any, s: ModelShapes, g: torch.Generator) -> list[tuple[str, float
                 codes = torch.randint(-127, 128, (n, cols), generator=g, dtype=torch.int8)
                 tiles = LowBitTiles(codes, scale, torch.zeros_like(scale), group_size)
             weight = tiles.dequantize()
-            for rows in (1, 2, 7):  # the paths of one and two rows, and of many
+            # the paths of one and two rows, and of many, for generated rows and (where the library has their own
+            # entry) prompt rows
+            products = [("", k.lowbit_matmul)]
+            if getattr(k, "has_prompt_rows", False):
+                products.append((" (prompt rows)", k.lowbit_matmul_prompt))
+            for rows in (1, 2, 7):
                 x = torch.randn(rows, cols, generator=g).to(act)
-                got = k.lowbit_matmul(x, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size)
-                out.append((f"lowbit_matmul {kind} {cols} columns, groups of {tiles.group_size}, "
-                            f"{tiles.scale.dtype} scales, {rows} rows", 1e-4, got, x.float() @ weight.T))
+                for which, product in products:
+                    got = product(x, tiles.codes, tiles.scale, tiles.offset, tiles.n, tiles.group_size)
+                    out.append((f"lowbit_matmul{which} {kind} {cols} columns, groups of {tiles.group_size}, "
+                                f"{tiles.scale.dtype} scales, {rows} rows", 1e-4, got, x.float() @ weight.T))
     return out
 
 

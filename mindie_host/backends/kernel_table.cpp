@@ -16,7 +16,7 @@ const mh_kernels kTable = {
     mh::add_rms_norm,        mh::rope,             mh::decode_attention,
     mh::prompt_attention,    mh::lowbit_activation, mh::lowbit_matmul,
     mh::silu_mul,            mh::lowbit_matmul_f16, mh::lowbit_q8_rows,
-    mh::quantize_rows,
+    mh::quantize_rows,       mh::lowbit_matmul_prompt,
 };
 
 }  // namespace

@@ -12,7 +12,9 @@
 // such as bench/lowbit_shapes.py --compare alternate with this one) still loads, for float32 scales only
 // 3: lowbit_q8_rows and quantize_rows appended at the end (int8 prompt rows); a library of version 2 or 1 still
 // loads, without them
-#define MINDIE_HOST_KERNELS_ABI 3
+// 4: lowbit_matmul_prompt appended at the end (prompt rows' arithmetic where it differs from generated rows'); a
+// library of version 3, 2 or 1 still loads, and its lowbit_matmul serves prompt rows too
+#define MINDIE_HOST_KERNELS_ABI 4
 
 extern "C" {
 
@@ -67,6 +69,13 @@ struct mh_kernels {
   // (version 3) x [M, K] float32 as the int8 rows lowbit_q8_rows takes, per row and group of 32: scale = max|x| / 127,
   // q = round-half-even(x * (1 / scale)) (0 where the scale is 0) and the codes' sum, as cpu_matmul.quantize_rows
   void (*quantize_rows)(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* qsum);
+
+  // (version 4) lowbit_matmul for rows that are prompt tokens (scale and offset float32 or, with half_scales,
+  // float16 bits; offset null when derived): the same product, by the arithmetic the variant gives prompt rows (see
+  // lowbit_matmul.cpp; on avx2, neon and portable a 4-bit matrix with derived offsets differs by kind of row)
+  void (*lowbit_matmul_prompt)(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                               const void* scale, const void* offset, int half_scales, int64_t N, int64_t group_size,
+                               float* out);
 };
 
 // The table of the variant this library was built as.
@@ -124,6 +133,9 @@ void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, in
                    const float* offset, int64_t N, int64_t group_size, float* out);
 void lowbit_matmul_f16(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
                        const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out);
+void lowbit_matmul_prompt(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                          const void* scale, const void* offset, int half_scales, int64_t N, int64_t group_size,
+                          float* out);
 void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t M, int64_t I);
 void lowbit_q8_rows(const int8_t* xq, const float* xscale, const int32_t* xqsum, int64_t M, int64_t K,
                     const uint8_t* codes, int int4, int64_t NT, const void* scale, const void* offset, int half_scales,

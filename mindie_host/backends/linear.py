@@ -15,7 +15,8 @@ the speed of one-row products; products of many rows are bound by arithmetic. On
 native bfloat16 (:mod:`~mindie_host.backends.cpu_profile`) the low-bit formats keep a bfloat16
 copy for the prompt rows of the default batch-invariant mode (:class:`PromptRows`); elsewhere
 prompt rows run through the low-bit kernel too, in float32 (bf16 products there run on a
-reference path at a fraction of float32's rate). Outside batch-invariant mode a dense MKL fp32
+reference path at a fraction of float32's rate), by the kernel's prompt arithmetic where it has
+one (a Q4_0 matrix: :attr:`~mindie_host.backends.cpu_matmul.LowBitTiles.kinds_differ`). Outside batch-invariant mode a dense MKL fp32
 copy serves products of many rows. Activations stay in floating point (the profile's compute
 dtype: bfloat16 or float32): int8 activations cost too much accuracy on small models (bench/PERF.md).
 """
@@ -130,7 +131,10 @@ class PromptRows:
     Prompts arrive hundreds of rows at a time, where products are bound by arithmetic: a
     low-bit matrix multiplies those rows with its bfloat16 copy (oneDNN's bf16 GEMM, several
     times the int4 kernel's rate at hundreds of rows, bench/PERF.md), and generated tokens with
-    its low-bit kernel, bound by bytes read. The choice follows the token, never the batch:
+    its low-bit kernel, bound by bytes read. Without native bfloat16, a Q4_0 matrix's prompt
+    rows go through the low-bit kernel's prompt entry (each weight dequantized, shared by the
+    rows) and its generated rows through its factored one (a group's scale applied once to its
+    sum): :meth:`~mindie_host.backends.cpu_matmul.LowBitTiles.prompt`. The choice follows the token, never the batch:
     oneDNN's bf16 product gives each row the same bits at any row count from two (a lone row goes
     in beside a copy of itself: :func:`prompt_product`), and a prompt token is a prompt row even
     alone in its step, so a greedy request's output does not depend on what shares its step, how
@@ -350,7 +354,8 @@ class LowBitWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if self.dense is None:  # batch-invariant: one kernel per kind of token, at every row count
-            if prompt_rows is not None and (self.prompt_weight is not None or self.prompt_int8) and x.dim() == 2:
+            if prompt_rows is not None and x.dim() == 2 and (self.prompt_weight is not None or self.prompt_int8
+                                                              or self._kernel_prompt_rows()):
                 out = self._by_kind(x, prompt_rows)
             else:
                 out = self.small_product(x.reshape(-1, x.shape[-1])).to(x.dtype)
@@ -362,11 +367,19 @@ class LowBitWeight:
         return out if bias is None else out + bias
 
 
+    def _kernel_prompt_rows(self) -> bool:
+        """Whether the low-bit kernel multiplies this matrix's prompt rows by other arithmetic than its generated rows
+        (:attr:`~mindie_host.backends.cpu_matmul.LowBitTiles.kinds_differ`), so that a step's rows go by kind."""
+        return self.tiles is not None and cpu_matmul.loaded() and self.tiles.kinds_differ
+
     def _prompt_product(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows' ``x @ W.T``: in int8 groups (:meth:`int8_product`) or through the bfloat16 copy."""
+        """Prompt rows' ``x @ W.T``: in int8 groups (:meth:`int8_product`), through the bfloat16 copy, or by the
+        low-bit kernel's prompt arithmetic (:meth:`~mindie_host.backends.cpu_matmul.LowBitTiles.prompt`)."""
         if self.prompt_int8:
             return self.int8_product(x)
-        assert self.prompt_weight is not None
+        if self.prompt_weight is None:
+            assert self.tiles is not None
+            return self.tiles.prompt(x.to(self.act_dtype))
         return prompt_product(x, self.prompt_weight)
 
     def _by_kind(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:

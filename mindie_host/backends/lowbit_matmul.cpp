@@ -24,6 +24,13 @@
 // avx2 arithmetic with 4-lane NEON fused multiply-adds, the same bits as avx2. The portable variant is the same
 // arithmetic in plain C++ (multiply, then add).
 //
+// Generated rows of 4-bit codes with derived offsets (GGUF Q4_0) are the one exception on these variants: they apply
+// each group's scale once to the group's sum instead (llama.cpp's factoring; see q4_generated_rows), 1.3-1.6x faster
+// for one or two rows at a 1B model's shapes on AVX2. Prompt rows keep the arithmetic above (lowbit_matmul_prompt:
+// the factoring costs a term a row and group, which hundreds of rows pay where dequantizing a weight is shared by all
+// of them), and the engine sends each kind of row to its own entry by token, never by batch
+// (mindie_host/backends/linear.py, PromptRows), so each row's bits still do not depend on the other rows.
+//
 // Derived offsets: a null ``offset`` (the binding passes one for an empty offset tensor) means every group's offset
 // is -8 * scale for 4-bit codes (GGUF Q4_0's) and 0 for 8-bit ones; inside, the offset pointer is then the scale
 // pointer itself (``offset == scale`` marks it), and each offset vector is computed from the scale vector just
@@ -633,11 +640,282 @@ void tiles_buffered(const float* x, int64_t M, int64_t K, const uint8_t* cp, int
   }
 }
 
+// -- generated rows of 4-bit codes with derived offsets (GGUF Q4_0): the scale applied once to a group's sum --------
+//
+//   out[m, n] = sum over groups g, in order, of  scale[n, g] * (sum over k in g of x[m, k] * code[n, k] - 8 * xs[m, g])
+//
+// with xs[m, g] the sum of the group's x (float32, in k order; 8 * xs exact). Each group's inner sum is one chain of
+// fused multiply-adds over its k in order, from zero, then out = fma(inner - 8 * xs, scale, out) a group (from zero for
+// the first). That is llama.cpp's factoring in float32: the codes stream by with a conversion each where dequantizing
+// them cost a multiply-add and a load of their group's scale, and one sequence's 4-bit decode on AVX2 is bound by
+// those instructions. At one or two rows the codes are unpacked in registers as they stream by; from three rows a
+// tile's block of codes is unpacked once into a buffer that blocks of up to six rows stream over (micro_rows), their
+// sums kept in ``part`` ([rows][32]) until the group ends. Every row is reduced the same way at any row count.
+
+#if defined(MH_AVX2)
+// Columns c8 * 8 .. c8 * 8 + 7 of pair p of a 4-bit tile, the codes as float32: k = 2p into lo, k = 2p + 1 into hi.
+inline void codes8(const uint8_t* tile, int64_t p, int c8, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + p * kTile + c8 * 8)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+#elif defined(MH_NEON)
+// avx2's codes8, four columns a register.
+inline void codes8(const uint8_t* tile, int64_t p, int c8, float32x4_t lo[2], float32x4_t hi[2]) {
+  const uint16x8_t v = vmovl_u8(vld1_u8(tile + p * kTile + c8 * 8));
+  const uint16x8_t low = vandq_u16(v, vdupq_n_u16(15)), high = vshrq_n_u16(v, 4);
+  lo[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(low)));
+  lo[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(low)));
+  hi[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(high)));
+  hi[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(high)));
+}
+#endif
+
+#if defined(MH_AVX2) || defined(MH_NEON)
+// The inner sums of MR (1 or 2) rows over TN tiles for pairs p0 .. p1 (one group), the codes unpacked in registers,
+// into part ([MR][TN * 32]). Out of line, so that the compiler keeps the accumulators in registers over the loop
+// (with the group's scaling in the same function, GCC stored them to the stack every pair).
+template <int MR, int TN>
+MH_NOINLINE void q4_group_sums(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, int64_t p0,
+                               int64_t p1, float* part) {
+#if defined(MH_AVX2)
+  __m256 acc[MR][TN * 4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m256 x0[MR], x1[MR];
+    for (int r = 0; r < MR; ++r) {
+      x0[r] = _mm256_broadcast_ss(x + r * K + 2 * p);
+      x1[r] = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+    }
+    for (int t = 0; t < TN; ++t)
+      for (int c8 = 0; c8 < 4; ++c8) {
+        __m256 lo, hi;
+        codes8(tiles + t * tile_bytes, p, c8, lo, hi);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][t * 4 + c8] = _mm256_fmadd_ps(x0[r], lo, acc[r][t * 4 + c8]);
+          acc[r][t * 4 + c8] = _mm256_fmadd_ps(x1[r], hi, acc[r][t * 4 + c8]);
+        }
+      }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 4; ++j) _mm256_storeu_ps(part + r * TN * kTile + j * 8, acc[r][j]);
+#else
+  float32x4_t acc[MR][TN * 8];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 8; ++j) acc[r][j] = vdupq_n_f32(0.f);
+  for (int64_t p = p0; p < p1; ++p) {
+    float32x4_t x0[MR], x1[MR];
+    for (int r = 0; r < MR; ++r) {
+      x0[r] = vdupq_n_f32(x[r * K + 2 * p]);
+      x1[r] = vdupq_n_f32(x[r * K + 2 * p + 1]);
+    }
+    for (int t = 0; t < TN; ++t)
+      for (int c8 = 0; c8 < 4; ++c8) {
+        float32x4_t lo[2], hi[2];
+        codes8(tiles + t * tile_bytes, p, c8, lo, hi);
+        for (int r = 0; r < MR; ++r)
+          for (int h = 0; h < 2; ++h) {
+            float32x4_t& a = acc[r][t * 8 + c8 * 2 + h];
+            a = vfmaq_f32(a, x0[r], lo[h]);
+            a = vfmaq_f32(a, x1[r], hi[h]);
+          }
+      }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < TN * 8; ++j) vst1q_f32(part + r * TN * kTile + j * 4, acc[r][j]);
+#endif
+}
+#endif  // MH_AVX2 || MH_NEON
+
+// c[r][0 .. 32) (ldc apart) = fma(part[r][0 .. 32) - xs8[r], scale[0 .. 32), c[r]) for ``rows`` rows (part's rows
+// ``ldp`` apart, xs8's ``ldxs``), from zero for a row's first group: the group's term (avx2 and neon fused, portable
+// multiply then add).
+template <typename Sc>
+MH_ALWAYS_INLINE void scale_group(const float* part, int64_t ldp, int64_t rows, const float* xs8, int64_t ldxs,
+                                  const Sc* scale, bool first, float* c, int64_t ldc) {
+#if defined(MH_AVX2)
+  __m256 sv[4];
+  for (int q = 0; q < 4; ++q) sv[q] = scales8(scale + q * 8);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 xr = _mm256_set1_ps(xs8[r * ldxs]);
+    for (int q = 0; q < 4; ++q) {
+      float* cq = c + r * ldc + q * 8;
+      _mm256_storeu_ps(cq, _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(part + r * ldp + q * 8), xr), sv[q],
+                                           first ? _mm256_setzero_ps() : _mm256_loadu_ps(cq)));
+    }
+  }
+#elif defined(MH_NEON)
+  float32x4_t sv[8];
+  for (int q = 0; q < 8; ++q) sv[q] = scales4(scale + q * 4);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float32x4_t xr = vdupq_n_f32(xs8[r * ldxs]);
+    for (int q = 0; q < 8; ++q) {
+      float* cq = c + r * ldc + q * 4;
+      const float32x4_t d = vsubq_f32(vld1q_f32(part + r * ldp + q * 4), xr);
+      vst1q_f32(cq, vfmaq_f32(first ? vdupq_n_f32(0.f) : vld1q_f32(cq), d, sv[q]));
+    }
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < kTile; ++j) {
+      const float term = (part[r * ldp + j] - xs8[r * ldxs]) * scale_at(scale + j);
+      c[r * ldc + j] = first ? term : c[r * ldc + j] + term;
+    }
+#endif
+}
+
+#if defined(MH_AVX2) || defined(MH_NEON)
+// MR (1 or 2) rows times TN tiles of 4-bit codes, a group at a time: its inner sums (q4_group_sums), then its term
+// (xs8: [MR][G] eight times each row's group sums) into ``total`` ([MR][TN * 32]), stored to the output's columns
+// that exist at the end.
+template <int MR, int TN, typename Sc>
+void q4_rows_in_registers(const float* x, int64_t K, const uint8_t* tiles, int64_t tile_bytes, const Sc* scale,
+                          const float* xs8, int64_t G, int64_t PG, float* out, int64_t N, int64_t n0) {
+  alignas(32) float part[MR * TN * kTile];
+  alignas(32) float total[MR * TN * kTile];
+  for (int64_t g = 0; g < G; ++g) {
+    q4_group_sums<MR, TN>(x, K, tiles, tile_bytes, g * PG, (g + 1) * PG, part);
+    for (int t = 0; t < TN; ++t)
+      scale_group(part + t * kTile, TN * kTile, MR, xs8 + g, G, scale + t * G * kTile + g * kTile, g == 0,
+                  total + t * kTile, TN * kTile);
+  }
+  for (int t = 0; t < TN; ++t) {
+    const int64_t c0 = n0 + t * kTile;
+    if (c0 >= N) break;
+    const int64_t n = std::min<int64_t>(kTile, N - c0);
+    for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + c0, total + r * TN * kTile + t * kTile, n * sizeof(float));
+  }
+}
+#endif  // MH_AVX2 || MH_NEON
+
+// Pairs p0 .. p1 of one 4-bit tile's codes as float32 into buf ([2 * (p1 - p0)][32], k-major), the tile's codes
+// kPrefetchPairs ahead asked for (the tile's next blocks are the next codes read).
+MH_ALWAYS_INLINE void q4_block(const uint8_t* tile, int64_t p0, int64_t p1, float* buf) {
+  for (int64_t p = p0; p < p1; ++p) {
+    float* lo = buf + (2 * (p - p0)) * kTile;
+    float* hi = lo + kTile;
+    if (p % 2 == 0) __builtin_prefetch(tile + (p + kPrefetchPairs) * kTile);  // a cache line: two pairs
+#if defined(MH_AVX2)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      __m256 a, b;
+      codes8(tile, p, c8, a, b);
+      _mm256_storeu_ps(lo + c8 * 8, a);
+      _mm256_storeu_ps(hi + c8 * 8, b);
+    }
+#elif defined(MH_NEON)
+    for (int c8 = 0; c8 < 4; ++c8) {
+      float32x4_t a[2], b[2];
+      codes8(tile, p, c8, a, b);
+      for (int h = 0; h < 2; ++h) {
+        vst1q_f32(lo + c8 * 8 + h * 4, a[h]);
+        vst1q_f32(hi + c8 * 8 + h * 4, b[h]);
+      }
+    }
+#else
+    for (int c = 0; c < kTile; ++c) {
+      const uint8_t byte = tile[p * kTile + c];
+      lo[c] = static_cast<float>(byte & 15);
+      hi[c] = static_cast<float>(byte >> 4);
+    }
+#endif
+  }
+}
+
+// The block of k from kb of 4-bit tile t for all M rows: its codes unpacked into wbuf once, then, group by group, the
+// rows' inner sums over it in blocks of up to six (into part, [M][32]; a group longer than the block keeps them there
+// into the tile's next block) and, where a group ends, its term into the output (c, ldc apart).
+template <typename Sc>
+MH_NOINLINE void q4_tile_block(const float* x, int64_t M, int64_t K, const uint8_t* tile, const Sc* scale,
+                               const float* xs8, int64_t group_size, int64_t kb, float* c, int64_t ldc, float* wbuf,
+                               float* part) {
+  const int64_t kc = std::min<int64_t>(kBlockK, K - kb);
+  q4_block(tile, kb / 2, (kb + kc) / 2, wbuf);
+  for (int64_t k0 = kb; k0 < kb + kc;) {
+    const int64_t g = k0 / group_size, k1 = std::min<int64_t>(kb + kc, (g + 1) * group_size), len = k1 - k0;
+    const bool start = k0 == g * group_size;
+    const float* w = wbuf + (k0 - kb) * kTile;
+    for (int64_t m = 0; m < M;) {  // as tile_block's blocks of rows
+      const int64_t left = M - m, rows = left <= 6 ? left : left <= 8 ? 4 : 6;
+      const float* xm = x + m * K + k0;
+      float* pm = part + m * kTile;
+      switch (rows) {
+        case 1: micro_rows<1>(xm, K, w, len, pm, kTile, start); break;
+        case 2: micro_rows<2>(xm, K, w, len, pm, kTile, start); break;
+        case 3: micro_rows<3>(xm, K, w, len, pm, kTile, start); break;
+        case 4: micro_rows<4>(xm, K, w, len, pm, kTile, start); break;
+        case 5: micro_rows<5>(xm, K, w, len, pm, kTile, start); break;
+        default: micro_rows<6>(xm, K, w, len, pm, kTile, start); break;
+      }
+      m += rows;
+    }
+    if (k1 == (g + 1) * group_size)
+      scale_group(part, kTile, M, xs8 + g, K / group_size, scale + g * kTile, g == 0, c, ldc);
+    k0 = k1;
+  }
+}
+
+// Generated rows of a 4-bit matrix with derived offsets (see above): one or two rows in registers, more a tile at a
+// time through the buffer.
+template <typename Sc>
+void q4_generated_rows(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t NT, const Sc* sp, int64_t N,
+                       int64_t group_size, float* out) {
+  const int64_t P = K / 2, G = K / group_size, PG = group_size / 2, tile_bytes = P * kTile;
+  // eight times each row's sum over each group: float32, in k order, whatever the row count
+  std::vector<float> xs8(M * G);
+  mh::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * K + g * group_size;
+        float sum = 0.f;
+        for (int64_t k = 0; k < group_size; ++k) sum += xg[k];
+        xs8[m * G + g] = 8.f * sum;
+      }
+  });
+#if defined(MH_AVX2) || defined(MH_NEON)
+  if (M <= 2) {  // two tiles at a time for one row (more independent chains)
+    const int64_t TN = M == 1 ? 2 : 1;
+    mh::parallel_for(0, (NT + TN - 1) / TN, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t t0 = chunk * TN, tn = std::min<int64_t>(TN, NT - t0);
+        const uint8_t* tiles = cp + t0 * tile_bytes;
+        const Sc* s = sp + t0 * G * kTile;
+        if (M == 2)
+          q4_rows_in_registers<2, 1>(x, K, tiles, tile_bytes, s, xs8.data(), G, PG, out, N, t0 * kTile);
+        else if (tn == 2)
+          q4_rows_in_registers<1, 2>(x, K, tiles, tile_bytes, s, xs8.data(), G, PG, out, N, t0 * kTile);
+        else
+          q4_rows_in_registers<1, 1>(x, K, tiles, tile_bytes, s, xs8.data(), G, PG, out, N, t0 * kTile);
+      }
+    });
+    return;
+  }
+#endif
+  mh::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wbuf(kBlockK * kTile), part(M * kTile), ragged;
+    for (int64_t t = t0; t < t1; ++t) {
+      const bool whole = (t + 1) * kTile <= N;  // else the tile's sums go to ragged, its columns that exist copied out
+      if (!whole) ragged.resize(M * kTile);
+      float* c = whole ? out + t * kTile : ragged.data();
+      const int64_t ldc = whole ? N : kTile;
+      for (int64_t kb = 0; kb < K; kb += kBlockK)
+        q4_tile_block(x, M, K, cp + t * tile_bytes, sp + t * G * kTile, xs8.data(), group_size, kb, c, ldc,
+                      wbuf.data(), part.data());
+      if (!whole)
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(out + m * N + t * kTile, ragged.data() + m * kTile, (N - t * kTile) * sizeof(float));
+    }
+  });
+}
+
+// Prompt rows (``prompt``), and every row of 8-bit codes or of 4-bit codes with stored offsets: each weight
+// dequantized (above); generated rows of 4-bit codes with derived offsets: q4_generated_rows.
 template <bool INT4, typename Sc>
 void lowbit_f32(const float* x, int64_t M, int64_t K, const uint8_t* cp, int64_t NT, const Sc* sp, const Sc* op,
-                int64_t N, int64_t group_size, float* out) {
+                int64_t N, int64_t group_size, float* out, bool prompt) {
   const int64_t P = K / 2, G = K / group_size, PG = group_size / 2;
   const int64_t tile_bytes = P * (INT4 ? kTile : 2 * kTile);
+  if (INT4 && op == sp && !prompt) return q4_generated_rows(x, M, K, cp, NT, sp, N, group_size, out);
 #if defined(MH_AVX2) || defined(MH_NEON)
   if (M <= 2) {  // dequantize in registers, two tiles at a time for one row (more independent chains)
     const int64_t TN = M == 1 ? 2 : 1;
@@ -678,29 +956,41 @@ const int lowbit_activation = 0;
 
 // x: [M, K] (bfloat16 bits with AVX512-BF16, else float32); codes: [NT, K/2, 32] uint8 (4-bit: two codes a byte) or
 // [NT, K/2, 64] int8 (8-bit); scale, offset: [NT, K/gs, 32] float32 (lowbit_matmul) or float16 bits
-// (lowbit_matmul_f16) -> out [M, N] float32.
+// (lowbit_matmul_f16) -> out [M, N] float32. ``prompt``: the rows are prompt tokens (see the header).
 template <typename Sc>
 void lowbit_any(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const Sc* scale,
-                const Sc* offset, int64_t N, int64_t group_size, float* out) {
+                const Sc* offset, int64_t N, int64_t group_size, float* out, bool prompt) {
   if (offset == nullptr) offset = scale;  // derived offsets (see the header)
 #if defined(MH_AVX512)
+  (void)prompt;  // one arithmetic for every row
   lowbit_bf16(static_cast<const uint16_t*>(x), M, K, codes, int4, NT, scale, offset, N, group_size, out);
 #else
   if (int4)
-    lowbit_f32<true>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out);
+    lowbit_f32<true>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out, prompt);
   else
-    lowbit_f32<false>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out);
+    lowbit_f32<false>(static_cast<const float*>(x), M, K, codes, NT, scale, offset, N, group_size, out, prompt);
 #endif
 }
 
 void lowbit_matmul(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT, const float* scale,
                    const float* offset, int64_t N, int64_t group_size, float* out) {
-  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out);
+  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out, false);
 }
 
 void lowbit_matmul_f16(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
                        const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t group_size, float* out) {
-  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out);
+  lowbit_any(x, M, K, codes, int4, NT, scale, offset, N, group_size, out, false);
+}
+
+void lowbit_matmul_prompt(const void* x, int64_t M, int64_t K, const uint8_t* codes, int int4, int64_t NT,
+                          const void* scale, const void* offset, int half_scales, int64_t N, int64_t group_size,
+                          float* out) {
+  if (half_scales)
+    lowbit_any(x, M, K, codes, int4, NT, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(offset), N,
+               group_size, out, true);
+  else
+    lowbit_any(x, M, K, codes, int4, NT, static_cast<const float*>(scale), static_cast<const float*>(offset), N,
+               group_size, out, true);
 }
 
 // silu(gate) * up for the rows of a gated MLP, from its gate/up product's bfloat16 output [M, 2I] ([gate | up])
