@@ -510,15 +510,25 @@ MH_ALWAYS_INLINE void dequant_block(const uint8_t* tile, int64_t p0, int64_t p1,
 
 // acc[r][0 .. COLS) (ldc apart, at c) += x[r][k] * w[k][0 .. COLS) over the block's k in order, for MR rows (ldx
 // apart), w's rows kTile apart (COLS 32: a tile's block; 16: half of it); the accumulators start at zero on the first
-// block.
-template <int MR, int COLS = kTile>
+// block. With a GroupTerm (a Q4_0 group that lies in the block, generated rows: see q4_generated_rows) they start at
+// zero and end as c = fma(acc - xs8[r], scale, c), from zero for the row's first group, instead of being stored.
+template <typename Sc>
+struct GroupTerm {
+  const float* xs8;  // eight times each row's sum of x over the group, ldxs apart
+  int64_t ldxs;
+  const Sc* scale;  // the group's scales at the block's columns
+  bool first;       // the row's first group: c starts at zero
+};
+
+template <int MR, int COLS = kTile, typename Sc = float>
 MH_ALWAYS_INLINE void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc,
-                            bool first) {
+                            bool first, const GroupTerm<Sc>* term = nullptr) {
 #if defined(MH_AVX2)
   constexpr int Q = COLS / 8;
   __m256 acc[MR][Q];
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < Q; ++q) acc[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + q * 8);
+    for (int q = 0; q < Q; ++q)
+      acc[r][q] = first || term ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + q * 8);
   for (int64_t k = 0; k < kc; ++k) {
     if constexpr (Q == 4) {  // the rows' broadcasts, then each weight vector in turn (16 registers at three rows)
       __m256 xb[MR];
@@ -536,13 +546,24 @@ MH_ALWAYS_INLINE void micro(const float* x, int64_t ldx, const float* w, int64_t
       }
     }
   }
+  if (term) {
+    for (int q = 0; q < Q; ++q) {
+      const __m256 sv = scales8(term->scale + q * 8);
+      for (int r = 0; r < MR; ++r) {
+        float* cq = c + r * ldc + q * 8;
+        const __m256 d = _mm256_sub_ps(acc[r][q], _mm256_set1_ps(term->xs8[r * term->ldxs]));
+        _mm256_storeu_ps(cq, _mm256_fmadd_ps(d, sv, term->first ? _mm256_setzero_ps() : _mm256_loadu_ps(cq)));
+      }
+    }
+    return;
+  }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < Q; ++q) _mm256_storeu_ps(c + r * ldc + q * 8, acc[r][q]);
 #elif defined(MH_NEON)
   constexpr int Q = COLS / 4;
   float32x4_t acc[MR][Q];
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < Q; ++q) acc[r][q] = first ? vdupq_n_f32(0.f) : vld1q_f32(c + r * ldc + q * 4);
+    for (int q = 0; q < Q; ++q) acc[r][q] = first || term ? vdupq_n_f32(0.f) : vld1q_f32(c + r * ldc + q * 4);
   for (int64_t k = 0; k < kc; ++k) {
     float32x4_t xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = vdupq_n_f32(x[r * ldx + k]);
@@ -551,15 +572,33 @@ MH_ALWAYS_INLINE void micro(const float* x, int64_t ldx, const float* w, int64_t
       for (int r = 0; r < MR; ++r) acc[r][q] = vfmaq_f32(acc[r][q], xb[r], wq);
     }
   }
+  if (term) {
+    for (int q = 0; q < Q; ++q) {
+      const float32x4_t sv = scales4(term->scale + q * 4);
+      for (int r = 0; r < MR; ++r) {
+        float* cq = c + r * ldc + q * 4;
+        const float32x4_t d = vsubq_f32(acc[r][q], vdupq_n_f32(term->xs8[r * term->ldxs]));
+        vst1q_f32(cq, vfmaq_f32(term->first ? vdupq_n_f32(0.f) : vld1q_f32(cq), d, sv));
+      }
+    }
+    return;
+  }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < Q; ++q) vst1q_f32(c + r * ldc + q * 4, acc[r][q]);
 #else
   for (int r = 0; r < MR; ++r) {
     float acc[COLS];
-    for (int j = 0; j < COLS; ++j) acc[j] = first ? 0.f : c[r * ldc + j];
+    for (int j = 0; j < COLS; ++j) acc[j] = first || term ? 0.f : c[r * ldc + j];
     for (int64_t k = 0; k < kc; ++k) {
       const float xv = x[r * ldx + k];
       for (int j = 0; j < COLS; ++j) acc[j] += xv * w[k * kTile + j];
+    }
+    if (term) {  // scale_group's arithmetic
+      for (int j = 0; j < COLS; ++j) {
+        const float t = (acc[j] - term->xs8[r * term->ldxs]) * scale_at(term->scale + j);
+        c[r * ldc + j] = term->first ? t : c[r * ldc + j] + t;
+      }
+      continue;
     }
     for (int j = 0; j < COLS; ++j) c[r * ldc + j] = acc[j];
   }
@@ -569,14 +608,16 @@ MH_ALWAYS_INLINE void micro(const float* x, int64_t ldx, const float* w, int64_t
 // MR rows over a tile's block: up to three rows over all 32 columns (4 * MR accumulators), four to six over each half
 // of them in turn (2 * MR): either way at most 12 accumulators in the 16 registers, and enough independent chains
 // for the multiply-add latency from four rows on.
-template <int MR>
+template <int MR, typename Sc = float>
 MH_ALWAYS_INLINE void micro_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* c, int64_t ldc,
-                                 bool first) {
+                                 bool first, const GroupTerm<Sc>* term = nullptr) {
   if constexpr (MR <= 3) {
-    micro<MR>(x, ldx, w, kc, c, ldc, first);
+    micro<MR>(x, ldx, w, kc, c, ldc, first, term);
   } else {
-    micro<MR, 16>(x, ldx, w, kc, c, ldc, first);
-    micro<MR, 16>(x, ldx, w + 16, kc, c + 16, ldc, first);
+    micro<MR, 16>(x, ldx, w, kc, c, ldc, first, term);
+    GroupTerm<Sc> half;  // the second half's columns' scales
+    if (term) half = {term->xs8, term->ldxs, term->scale + 16, term->first};
+    micro<MR, 16>(x, ldx, w + 16, kc, c + 16, ldc, first, term ? &half : nullptr);
   }
 }
 
@@ -823,8 +864,9 @@ MH_ALWAYS_INLINE void q4_block(const uint8_t* tile, int64_t p0, int64_t p1, floa
 }
 
 // The block of k from kb of 4-bit tile t for all M rows: its codes unpacked into wbuf once, then, group by group, the
-// rows' inner sums over it in blocks of up to six (into part, [M][32]; a group longer than the block keeps them there
-// into the tile's next block) and, where a group ends, its term into the output (c, ldc apart).
+// rows' inner sums over it in blocks of up to six and, where a group ends, its term into the output (c, ldc apart):
+// from the micro-kernel's accumulators for a group that lies in the block, else through part ([M][32], kept into the
+// tile's next blocks until the group ends).
 template <typename Sc>
 MH_NOINLINE void q4_tile_block(const float* x, int64_t M, int64_t K, const uint8_t* tile, const Sc* scale,
                                const float* xs8, int64_t group_size, int64_t kb, float* c, int64_t ldc, float* wbuf,
@@ -833,24 +875,29 @@ MH_NOINLINE void q4_tile_block(const float* x, int64_t M, int64_t K, const uint8
   q4_block(tile, kb / 2, (kb + kc) / 2, wbuf);
   for (int64_t k0 = kb; k0 < kb + kc;) {
     const int64_t g = k0 / group_size, k1 = std::min<int64_t>(kb + kc, (g + 1) * group_size), len = k1 - k0;
-    const bool start = k0 == g * group_size;
+    const bool start = k0 == g * group_size, ends = k1 == (g + 1) * group_size;
     const float* w = wbuf + (k0 - kb) * kTile;
+    const int64_t G = K / group_size;
     for (int64_t m = 0; m < M;) {  // as tile_block's blocks of rows
       const int64_t left = M - m, rows = left <= 6 ? left : left <= 8 ? 4 : 6;
       const float* xm = x + m * K + k0;
-      float* pm = part + m * kTile;
+      // a group in the block ends in the micro-kernel (its term straight from the accumulators); a longer one keeps
+      // its sums in part until its last block, then scale_group: the same arithmetic
+      const GroupTerm<Sc> term{xs8 + m * G + g, G, scale + g * kTile, g == 0};
+      const GroupTerm<Sc>* tp = start && ends ? &term : nullptr;
+      float* cm = tp ? c + m * ldc : part + m * kTile;
+      const int64_t ld = tp ? ldc : kTile;
       switch (rows) {
-        case 1: micro_rows<1>(xm, K, w, len, pm, kTile, start); break;
-        case 2: micro_rows<2>(xm, K, w, len, pm, kTile, start); break;
-        case 3: micro_rows<3>(xm, K, w, len, pm, kTile, start); break;
-        case 4: micro_rows<4>(xm, K, w, len, pm, kTile, start); break;
-        case 5: micro_rows<5>(xm, K, w, len, pm, kTile, start); break;
-        default: micro_rows<6>(xm, K, w, len, pm, kTile, start); break;
+        case 1: micro_rows<1>(xm, K, w, len, cm, ld, start, tp); break;
+        case 2: micro_rows<2>(xm, K, w, len, cm, ld, start, tp); break;
+        case 3: micro_rows<3>(xm, K, w, len, cm, ld, start, tp); break;
+        case 4: micro_rows<4>(xm, K, w, len, cm, ld, start, tp); break;
+        case 5: micro_rows<5>(xm, K, w, len, cm, ld, start, tp); break;
+        default: micro_rows<6>(xm, K, w, len, cm, ld, start, tp); break;
       }
       m += rows;
     }
-    if (k1 == (g + 1) * group_size)
-      scale_group(part, kTile, M, xs8 + g, K / group_size, scale + g * kTile, g == 0, c, ldc);
+    if (ends && !start) scale_group(part, kTile, M, xs8 + g, G, scale + g * kTile, g == 0, c, ldc);
     k0 = k1;
   }
 }
