@@ -149,6 +149,19 @@ void put_code(std::vector<uint8_t>& codes, bool int4, int64_t P, int64_t n, int6
     tile[(i / 2) * 64 + (n % 32) * 2 + i % 2] = uint8_t(int8_t(code));
 }
 
+// x [M, K] @ w [N, K].T in double precision: the low-bit product's reference
+std::vector<double> products(const std::vector<float>& x, const std::vector<float>& w, int64_t M, int64_t N,
+                             int64_t K) {
+  std::vector<double> want(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t c = 0; c < K; ++c) acc += double(x[m * K + c]) * w[n * K + c];
+      want[m * N + n] = acc;
+    }
+  return want;
+}
+
 // The low-bit product's inputs come from integers alone (their own generator, exact float arithmetic), so they are
 // the same bits on every architecture, and the "bits" line can be compared between variants built for different
 // CPUs (the neon variant's with the avx2 variant's: the same fused multiply-adds in the same order).
@@ -173,13 +186,7 @@ void check_lowbit(const mh_kernels* k, bool int4) {
   for (auto& v : x) v = (int(rng() % 2001) - 1000) / 512.f;
   std::vector<float> out(M * N), one(N), two(2 * N);
   k->lowbit_matmul(x.data(), M, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, out.data());
-  std::vector<double> want(M * N);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      double acc = 0;
-      for (int64_t c = 0; c < K; ++c) acc += double(x[m * K + c]) * w[n * K + c];
-      want[m * N + n] = acc;
-    }
+  const std::vector<double> want = products(x, w, M, N, K);
   report(int4 ? "lowbit_matmul 4-bit" : "lowbit_matmul 8-bit", relative(out, want), 1e-5);
   k->lowbit_matmul(x.data() + 3 * K, 1, K, codes.data(), int4, NT, scale.data(), offset.data(), N, gs, one.data());
   report("lowbit_matmul: a row alone has its bits among seven",
@@ -213,13 +220,7 @@ void check_lowbit(const mh_kernels* k, bool int4) {
   // exact in float32, so any order gives their bits)
   std::vector<float> xi(M * K);
   for (auto& v : xi) v = (int(rng() % 2001) - 1000) / 1000.f;
-  std::vector<double> wanti(M * N);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      double acc = 0;
-      for (int64_t c = 0; c < K; ++c) acc += double(xi[m * K + c]) * w[n * K + c];
-      wanti[m * N + n] = acc;
-    }
+  const std::vector<double> wanti = products(xi, w, M, N, K);
   unsigned long long bits = 0;
   for (int prompt = 0; prompt < 2; ++prompt) {
     std::vector<float> all(M * N), alone(N), pair(2 * N);
